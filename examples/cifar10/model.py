@@ -1,0 +1,230 @@
+"""A small ResNet-style CIFAR-10 classifier as a :class:`~lightning.pytorch.LightningModule`.
+
+The network is deliberately small (about 0.2 M parameters with the default ``width=16``) so that an epoch
+over a few thousand images takes seconds per process on one CPU core, while still learning quickly enough
+for the accuracy to rise visibly within two or three epochs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+__all__ = ["BasicBlock", "CIFAR10Classifier", "ResNetBackbone"]
+
+Batch = tuple[Tensor, Tensor]
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 conv + BatchNorm layers with a residual shortcut.
+
+    Args:
+        in_channels: Number of input channels.
+        out_channels: Number of output channels.
+        stride: Stride of the first convolution (2 halves the spatial resolution).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+        else:
+            self.shortcut = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the block.
+
+        Args:
+            x: Input of shape ``(N, in_channels, H, W)``.
+
+        Returns:
+            Output of shape ``(N, out_channels, H / stride, W / stride)``.
+        """
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNetBackbone(nn.Module):
+    """Stem convolution, three stages of :class:`BasicBlock`, global average pooling and a linear head.
+
+    Args:
+        width: Channels of the stem and the first stage; the stages use ``width``, ``2 * width`` and
+            ``4 * width`` channels at resolutions 32, 16 and 8.
+        num_classes: Number of output logits.
+        dropout: Dropout probability applied to the pooled features before the head (0 disables it).
+    """
+
+    def __init__(self, width: int = 16, num_classes: int = 10, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
+        self.stages = nn.Sequential(
+            BasicBlock(width, width, stride=1),
+            BasicBlock(width, 2 * width, stride=2),
+            BasicBlock(2 * width, 4 * width, stride=2),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.head = nn.Linear(4 * width, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Compute class logits.
+
+        Args:
+            x: Normalised images of shape ``(N, 3, H, W)``.
+
+        Returns:
+            Logits of shape ``(N, num_classes)``.
+        """
+        features = self.pool(self.stages(self.stem(x))).flatten(1)
+        return self.head(self.dropout(features))
+
+
+class CIFAR10Classifier(LightningModule):
+    """Small ResNet for CIFAR-10, trained with SGD (Nesterov momentum) and a one-cycle learning rate.
+
+    Logs ``train_loss`` (per step), ``train_acc``, ``val_loss``, ``val_acc``, ``test_loss`` and ``test_acc``
+    (per epoch). The accuracies are :class:`~torchmetrics.classification.MulticlassAccuracy` metric objects, which
+    synchronise their state across processes themselves; the losses are averaged with ``sync_dist=True``.
+
+    Args:
+        lr: Peak learning rate of the one-cycle schedule.
+        width: Base channel width of the network (see :class:`ResNetBackbone`).
+        dropout: Dropout probability before the linear head.
+        weight_decay: L2 weight decay (not applied to BatchNorm and bias parameters).
+        num_classes: Number of classes.
+        momentum: SGD momentum (Nesterov).
+    """
+
+    def __init__(
+        self,
+        lr: float = 0.2,
+        width: int = 16,
+        dropout: float = 0.0,
+        weight_decay: float = 5e-4,
+        num_classes: int = 10,
+        momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.momentum = momentum
+        self.net = ResNetBackbone(width=width, num_classes=num_classes, dropout=dropout)
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Compute class logits.
+
+        Args:
+            x: Normalised images of shape ``(N, 3, 32, 32)``.
+
+        Returns:
+            Logits of shape ``(N, num_classes)``.
+        """
+        return self.net(x)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """Compute and log the training loss and accuracy of one batch.
+
+        Args:
+            batch: Images and integer labels.
+            batch_idx: Index of the batch in the epoch.
+
+        Returns:
+            The cross-entropy loss to backpropagate.
+        """
+        images, labels = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels)
+        self.train_acc(logits, labels)
+        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        """Accumulate the validation loss and accuracy of one batch.
+
+        Args:
+            batch: Images and integer labels.
+            batch_idx: Index of the batch in the epoch.
+        """
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        """Accumulate the test loss and accuracy of one batch.
+
+        Args:
+            batch: Images and integer labels.
+            batch_idx: Index of the batch in the epoch.
+        """
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: Batch, stage: str) -> None:
+        images, labels = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels)
+        metric = self.val_acc if stage == "val" else self.test_acc
+        metric(logits, labels)
+        self.log(f"{stage}_loss", loss, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
+        self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True)
+
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        """Create SGD with Nesterov momentum and a per-step one-cycle learning-rate schedule.
+
+        Weight decay is applied to convolution and linear weights only, not to BatchNorm parameters or biases.
+
+        Returns:
+            The optimizer and its step-wise scheduler configuration.
+        """
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for param in self.parameters():
+            if not param.requires_grad:
+                continue
+            (decay if param.ndim > 1 else no_decay).append(param)
+        optimizer = torch.optim.SGD(
+            [
+                {"params": decay, "weight_decay": self.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.momentum > 0,
+        )
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer,
+            max_lr=self.lr,
+            total_steps=total_steps,
+            pct_start=0.25,
+            anneal_strategy="cos",
+            div_factor=10.0,
+            final_div_factor=100.0,
+            cycle_momentum=False,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,33 @@
+"""ddp_strategy: a Lightning DDP strategy that turns silent distributed-training mistakes into named errors.
+
+Importing the package registers ``"safe_ddp"`` and ``"safe_ddp_spawn"`` in Lightning's strategy registry, so
+``Trainer(strategy="safe_ddp")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from ddp_strategy.errors import (
+    CheckpointIntegrityError,
+    CollectiveMismatchError,
+    DDPStrategyError,
+    DuplicateDeviceError,
+    RankDivergenceError,
+    SetupMismatchError,
+)
+from ddp_strategy.strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
+
+__all__ = [
+    "DEFAULT_BARRIER_TIMEOUT",
+    "CheckpointIntegrityError",
+    "CollectiveMismatchError",
+    "DDPStrategyError",
+    "DuplicateDeviceError",
+    "RankDivergenceError",
+    "SafeDDPStrategy",
+    "SetupMismatchError",
+    "__version__",
+]
+
+__version__ = "0.1.0"
+
+SafeDDPStrategy.register_strategies(StrategyRegistry)

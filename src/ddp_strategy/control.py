@@ -1,0 +1,312 @@
+"""The control plane: how the strategy's ranks talk to each other, apart from DDP's gradients.
+
+DDP's gradient all-reduce runs on the default process group (the *data plane*: gloo on CPU, NCCL on GPU).
+Everything the strategy itself says between ranks (handshakes, fingerprints, named barriers) goes through
+the *control plane* built here:
+
+* a dedicated gloo process group, so checks work the same whatever the data plane is, and
+* the rendezvous store (the ``TCPStore`` that ``init_process_group`` already created), used for monitored
+  barriers and for each rank's published :class:`~ddp_strategy.positions.Position`.
+
+A monitored barrier never hangs: each rank writes an arrival key and waits for all others' keys at most
+``timeout``. When some never arrive, every rank that did raises :class:`~ddp_strategy.errors.CollectiveMismatchError`
+naming the barrier, the missing ranks, and where each missing rank last was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar
+
+import torch.distributed as dist
+
+from ddp_strategy.errors import CollectiveMismatchError
+from ddp_strategy.positions import Position, call_site, format_ranks
+
+__all__ = ["ControlPlane", "Store", "to_timedelta"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_POSITION_KEY = "pos/{rank}"
+_ARRIVAL_KEY = "barrier/{seq}/{rank}"
+_UNNAMED = "<unnamed>"
+
+
+class Store(Protocol):
+    """The subset of :class:`torch.distributed.Store` the control plane uses (a fake one is used in tests)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...  # noqa: D102
+
+    def get(self, key: str) -> bytes: ...  # noqa: D102
+
+    def check(self, keys: list[str]) -> bool: ...  # noqa: D102
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...  # noqa: D102
+
+    def delete_key(self, key: str) -> bool: ...  # noqa: D102
+
+
+def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:
+    """Convert seconds or a ``timedelta`` to a positive ``timedelta``.
+
+    Raises:
+        ValueError: ``value`` is not positive, or not a number or ``timedelta``.
+    """
+    if isinstance(value, timedelta):
+        delta = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        delta = timedelta(seconds=float(value))
+    else:
+        raise ValueError(f"`{name}` must be a number of seconds or a datetime.timedelta, got {value!r}.")
+    if delta.total_seconds() <= 0:
+        raise ValueError(f"`{name}` must be positive, got {value!r}.")
+    return delta
+
+
+class ControlPlane:
+    """Coordination between the ranks of one strategy run.
+
+    Create it with :meth:`create` after the default process group exists, and :meth:`close` it at teardown.
+    All ranks must call :meth:`barrier` and :meth:`all_gather_object` in the same order, as with any
+    collective; the difference is that a rank that does not is named in an error instead of causing a hang.
+
+    Args:
+        rank: this process's global rank.
+        world_size: the number of ranks.
+        store: the rendezvous store, already namespaced to this run.
+        group: the gloo process group for small object collectives, or ``None`` when ``world_size == 1``.
+        timeout: how long a barrier waits for the other ranks.
+        heartbeat_interval: how often (seconds) a background thread re-publishes this rank's position.
+        heartbeat_store: a second connection to the store for the heartbeat thread (defaults to ``store``).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        store: Store,
+        group: Any,
+        timeout: timedelta,
+        heartbeat_interval: float = 1.0,
+        heartbeat_store: Store | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._store = store
+        self._group = group
+        self._seq = 0
+        self._position = Position(kind="started", name="started", since=time.time())
+        self._stop = threading.Event()
+        self._heartbeat_store = heartbeat_store if heartbeat_store is not None else store
+        self._heartbeat_interval = heartbeat_interval
+        self._heartbeat: threading.Thread | None = None
+        self._publish(self._position)
+        if world_size > 1 and heartbeat_interval > 0:
+            self._heartbeat = threading.Thread(
+                target=self._heartbeat_loop, name=f"ddp_strategy-heartbeat-rank{rank}", daemon=True
+            )
+            self._heartbeat.start()
+
+    @classmethod
+    def create(cls, *, timeout: timedelta, heartbeat_interval: float = 1.0) -> ControlPlane:
+        """Build the control plane on top of the initialised default process group.
+
+        Creates a new gloo group (a collective call: every rank must call this), agrees on a fresh namespace in
+        the rendezvous store so that two runs in one process never see each other's keys, and starts the
+        heartbeat thread.
+
+        Raises:
+            RuntimeError: the default process group is not initialised.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ddp_strategy's control plane needs an initialised default process group; "
+                "`ControlPlane.create` must run after `init_process_group` (the strategy's setup_environment)."
+            )
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        token = [uuid.uuid4().hex if rank == 0 else ""]
+        dist.broadcast_object_list(token, src=0, group=group)
+        base = dist.distributed_c10d._get_default_store()
+        store = dist.PrefixStore(f"ddp_strategy/{token[0]}/", base)
+        heartbeat_store = dist.PrefixStore(f"ddp_strategy/{token[0]}/", base.clone()) if world_size > 1 else None
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            store=store,
+            group=group,
+            timeout=timeout,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_store=heartbeat_store,
+        )
+
+    # ------------------------------------------------------------------ positions
+    @property
+    def position(self) -> Position:
+        """This rank's current position."""
+        return self._position
+
+    def note_step(self, step: int) -> None:
+        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O)."""
+        self._position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time())
+
+    def _publish(self, position: Position) -> None:
+        self._store.set(_POSITION_KEY.format(rank=self.rank), position.with_heartbeat(time.time()).to_bytes())
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_interval):
+            try:
+                key = _POSITION_KEY.format(rank=self.rank)
+                self._heartbeat_store.set(key, self._position.with_heartbeat(time.time()).to_bytes())
+            except Exception as err:  # the store is gone: rank 0 exited or died
+                if not self._stop.is_set():
+                    log.warning(
+                        "ddp_strategy: rank %d stopped publishing its heartbeat: the rendezvous store is "
+                        "unreachable (%s). Rank 0, which hosts it, has probably exited.",
+                        self.rank,
+                        err,
+                    )
+                return
+
+    def read_position(self, rank: int) -> Position | None:
+        """The last position ``rank`` published, or ``None`` when it never published one."""
+        key = _POSITION_KEY.format(rank=rank)
+        if not self._store.check([key]):
+            return None
+        return Position.from_bytes(self._store.get(key))
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None, *, site: str | None = None) -> None:
+        """Wait until every rank reaches this barrier, at most ``timeout``.
+
+        Args:
+            name: a name for the barrier; it appears in errors, and ranks that reach barriers of different
+                names at the same point raise an error instead of silently pairing them up.
+            site: the call site to report; found from the stack when not given.
+
+        Raises:
+            CollectiveMismatchError: some ranks did not arrive within the timeout, or arrived at a barrier with
+                a different name.
+        """
+        name = name or _UNNAMED
+        site = call_site(skip=2) if site is None else site
+        seq = self._seq
+        self._seq += 1
+        entered = time.time()
+        self._position = Position(kind="barrier", name=name, site=site, seq=seq, since=entered)
+        if self.world_size == 1:
+            return
+        try:
+            self._publish(self._position)
+            keys = [_ARRIVAL_KEY.format(seq=seq, rank=r) for r in range(self.world_size)]
+            self._store.set(keys[self.rank], name)
+        except Exception as err:
+            raise self._store_lost(name, site, err) from err
+        try:
+            self._store.wait(keys, self.timeout)
+        except Exception as err:
+            missing = self._missing(keys, name, site, err)
+            if missing:
+                raise self._timeout_error(name, site, seq, missing, time.time() - entered) from err
+        names = [self._store.get(key).decode() for key in keys]
+        self._check_names(name, site, names)
+        if seq > 0:  # every rank has passed barrier seq-1 once all arrived at seq: its key can go
+            self._store.delete_key(_ARRIVAL_KEY.format(seq=seq - 1, rank=self.rank))
+
+    def all_gather_object(self, obj: T, name: str, *, site: str | None = None) -> list[T]:
+        """Gather one picklable object from every rank, on every rank, after a monitored barrier.
+
+        The barrier first makes sure every rank is here (or names the ones that are not); the gather itself
+        then runs on the gloo control group.
+        """
+        site = call_site(skip=2) if site is None else site
+        self.barrier(name, site=site)
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _missing(self, keys: Sequence[str], name: str, site: str, err: Exception) -> list[int]:
+        try:
+            return [r for r, key in enumerate(keys) if not self._store.check([key])]
+        except Exception as store_err:
+            raise self._store_lost(name, site, store_err) from err
+
+    def _timeout_error(
+        self, name: str, site: str, seq: int, missing: list[int], waited: float
+    ) -> CollectiveMismatchError:
+        now = time.time()
+        lines = [
+            f"Rank {self.rank} waited {waited:.1f} s at barrier '{name}' ({site or 'unknown site'}), "
+            f"but rank(s) {format_ranks(missing)} never arrived (barrier_timeout="
+            f"{self.timeout.total_seconds():g} s). Where they were last seen:"
+        ]
+        for rank in missing:
+            try:
+                position = self.read_position(rank)
+            except Exception:  # reading is best effort: the error below is what matters
+                position = None
+            where = position.describe(now) if position is not None else "no position published (never started?)"
+            lines.append(f"  rank {rank}: {where}")
+        lines.append(
+            "Every rank must call the same barriers in the same order. A barrier inside "
+            "`if trainer.is_global_zero:` (or any rank-dependent branch) is the usual cause: move it out of the "
+            "branch. If the other ranks are just slow (a long prepare_data or checkpoint write), raise "
+            "SafeDDPStrategy(barrier_timeout=...)."
+        )
+        return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing)
+
+    def _store_lost(self, name: str, site: str, err: Exception) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            f"Rank {self.rank} could not reach the rendezvous store at barrier '{name}' ({site or 'unknown site'}): "
+            f"{err}. The store lives in rank 0's process, so rank 0 has most likely exited or died; look at its "
+            "output for the first error.",
+            name=name,
+            missing_ranks=[0],
+        )
+
+    def _check_names(self, name: str, site: str, names: list[str]) -> None:
+        named = {n for n in names if n != _UNNAMED}
+        if len(named) <= 1:
+            return
+        by_name: dict[str, list[int]] = {}
+        for rank, other in enumerate(names):
+            by_name.setdefault(other, []).append(rank)
+        table = "; ".join(f"'{n}' on rank(s) {format_ranks(r)}" for n, r in by_name.items())
+        raise CollectiveMismatchError(
+            f"Ranks reached different barriers at the same point: {table}. Rank {self.rank} was at '{name}' "
+            f"({site}). Every rank must call the same barriers in the same order; one rank skipped or added a "
+            "barrier (look for a barrier inside a rank-dependent branch).",
+            name=name,
+            missing_ranks=[r for n, ranks in by_name.items() if n != name for r in ranks],
+        )
+
+    # ------------------------------------------------------------------ teardown
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the heartbeat and destroy the gloo group.
+
+        Args:
+            graceful: end with a barrier on the gloo group so that no rank still needs the store when rank 0
+                goes on. Every rank must then call ``close``. Pass ``False`` after a failure, when other ranks
+                may never arrive.
+        """
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=max(5.0, 2 * self._heartbeat_interval))
+            self._heartbeat = None
+        if self._group is not None and dist.is_initialized():
+            if graceful and self.world_size > 1:
+                dist.barrier(group=self._group)
+            dist.destroy_process_group(self._group)
+        self._group = None

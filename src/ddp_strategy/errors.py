@@ -1,0 +1,91 @@
+"""The exception types raised by ``ddp_strategy``.
+
+Every error says what happened, on which rank(s), and what to do about it. All of them derive from
+:class:`DDPStrategyError`, so ``except ddp_strategy.DDPStrategyError`` catches anything this package raises
+on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "CheckpointIntegrityError",
+    "CollectiveMismatchError",
+    "DDPStrategyError",
+    "DuplicateDeviceError",
+    "RankDivergenceError",
+    "SetupMismatchError",
+]
+
+
+class DDPStrategyError(RuntimeError):
+    """Base class of every error raised by ``ddp_strategy`` on purpose."""
+
+
+class DuplicateDeviceError(DDPStrategyError):
+    """Two or more ranks were placed on the same accelerator device.
+
+    Attributes:
+        device: the device that is shared, e.g. ``"cuda:0"``.
+        host: the host name of the machine the ranks run on.
+        ranks: the global ranks sharing the device.
+    """
+
+    def __init__(self, message: str, *, device: str, host: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.device = device
+        self.host = host
+        self.ranks = tuple(ranks)
+
+
+class SetupMismatchError(DDPStrategyError):
+    """Ranks disagree on their set-up: library versions, world size, or parameter names and shapes.
+
+    Attributes:
+        fields: the names of the facts that differ between ranks, e.g. ``("torch", "world_size")``.
+    """
+
+    def __init__(self, message: str, *, fields: Sequence[str]) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+class RankDivergenceError(DDPStrategyError):
+    """Parameter or buffer values differ between ranks that should hold identical copies.
+
+    Attributes:
+        tensors: the names of the differing tensors, first differing one first.
+        ranks: the global ranks whose values differ from rank 0's (or the majority's).
+    """
+
+    def __init__(self, message: str, *, tensors: Sequence[str], ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.tensors = tuple(tensors)
+        self.ranks = tuple(ranks)
+
+
+class CollectiveMismatchError(DDPStrategyError):
+    """A barrier or other collective was not reached by every rank in time, or ranks reached different ones.
+
+    Attributes:
+        name: the name of the barrier or collective that failed.
+        missing_ranks: the global ranks that never arrived.
+    """
+
+    def __init__(self, message: str, *, name: str, missing_ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.name = name
+        self.missing_ranks = tuple(missing_ranks)
+
+
+class CheckpointIntegrityError(DDPStrategyError):
+    """A checkpoint file is truncated, altered, or not a checkpoint this package can verify.
+
+    Attributes:
+        path: the checkpoint file that failed verification.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path

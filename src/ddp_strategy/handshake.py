@@ -1,0 +1,252 @@
+"""The start-up handshake: every rank's facts, gathered once and compared on every rank.
+
+:func:`collect_facts` describes this rank (host, device, versions, world size, seed, and a fingerprint of every
+parameter and buffer). The strategy gathers the facts of all ranks in one small collective on the control plane
+and calls :func:`check_facts` on every rank, so every rank raises the same error:
+
+* :class:`~ddp_strategy.errors.DuplicateDeviceError` when two ranks share one accelerator;
+* :class:`~ddp_strategy.errors.SetupMismatchError` when versions, world size or tensor names/shapes differ;
+* :class:`~ddp_strategy.errors.RankDivergenceError` when parameter or buffer values differ.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import lightning
+import torch
+from torch import nn
+
+from ddp_strategy.errors import DuplicateDeviceError, RankDivergenceError, SetupMismatchError
+from ddp_strategy.fingerprint import TensorFingerprint, fingerprint_module
+from ddp_strategy.positions import format_ranks
+
+__all__ = ["RankFacts", "check_facts", "collect_facts", "seed_report"]
+
+_MAX_LISTED = 5  # differing tensors named in one message
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What one rank knows about its own set-up.
+
+    Attributes:
+        rank: global rank.
+        local_rank: rank within the node.
+        node_rank: index of the node.
+        host: host name.
+        pid: process id.
+        device: the rank's root device, e.g. ``"cuda:0"`` or ``"cpu"``.
+        device_id: a machine-wide identity of an accelerator (the CUDA UUID when available), used to find
+            two ranks on one physical device even when ``CUDA_VISIBLE_DEVICES`` renumbers devices; ``None`` on
+            the CPU, which ranks may share.
+        versions: library versions (``python``, ``torch``, ``lightning``, ``ddp_strategy``).
+        world_size: the world size this rank was configured with.
+        seed: the global seed (``PL_GLOBAL_SEED``) or ``None`` when not seeded.
+        tensors: fingerprints of every parameter and buffer, in registration order.
+    """
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    pid: int
+    device: str
+    device_id: str | None
+    versions: dict[str, str]
+    world_size: int
+    seed: str | None
+    tensors: tuple[TensorFingerprint, ...] = field(default=())
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("ddp_strategy")
+    except metadata.PackageNotFoundError:  # running from a source tree without installation
+        return "unknown"
+
+
+def _device_id(device: torch.device) -> str | None:
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:
+            return f"cuda-uuid:{uuid}"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return f"cuda:{index}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
+    return str(device)
+
+
+def collect_facts(
+    *, rank: int, local_rank: int, node_rank: int, world_size: int, device: torch.device, module: nn.Module
+) -> RankFacts:
+    """Describe this rank. Fingerprints are computed on ``device``; only a few integers per tensor leave it."""
+    return RankFacts(
+        rank=rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=str(device),
+        device_id=_device_id(device),
+        versions={
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "ddp_strategy": _package_version(),
+        },
+        world_size=world_size,
+        seed=os.environ.get("PL_GLOBAL_SEED"),
+        tensors=tuple(fingerprint_module(module)),
+    )
+
+
+def check_facts(facts: Sequence[RankFacts]) -> None:
+    """Compare all ranks' facts; raise the first problem found, as the same error on every rank.
+
+    Args:
+        facts: one entry per rank, in rank order (as returned by an all-gather).
+
+    Raises:
+        DuplicateDeviceError: two ranks on the same accelerator device.
+        SetupMismatchError: versions, world size, or tensor names/shapes/dtypes differ between ranks.
+        RankDivergenceError: parameter or buffer values differ between ranks.
+    """
+    _check_devices(facts)
+    _check_setup(facts)
+    _check_tensor_signatures(facts)
+    _check_tensor_values(facts)
+
+
+def _check_devices(facts: Sequence[RankFacts]) -> None:
+    owners: dict[tuple[str, str], list[RankFacts]] = {}
+    for f in facts:
+        if f.device_id is not None:
+            owners.setdefault((f.host, f.device_id), []).append(f)
+    for (host, _), sharing in owners.items():
+        if len(sharing) > 1:
+            ranks = [f.rank for f in sharing]
+            who = ", ".join(f"rank {f.rank} (local rank {f.local_rank}, pid {f.pid})" for f in sharing)
+            device = sharing[0].device
+            raise DuplicateDeviceError(
+                f"{len(sharing)} ranks were placed on the same device {device} of host '{host}': {who}. "
+                "DDP needs one device per rank (NCCL reports this as 'Duplicate GPU detected'). Start one "
+                "process per device: set Trainer(devices=N) to the number of GPUs per node and do not give two "
+                "processes the same CUDA_VISIBLE_DEVICES or LOCAL_RANK. For model parallelism inside one rank, "
+                "each rank needs its own set of devices.",
+                device=device,
+                host=host,
+                ranks=ranks,
+            )
+
+
+def _group(values: dict[int, str]) -> list[tuple[str, list[int]]]:
+    groups: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        groups.setdefault(value, []).append(rank)
+    return list(groups.items())
+
+
+def _table(rows: list[tuple[str, list[tuple[str, list[int]]]]]) -> str:
+    width_field = max([len("field")] + [len(name) for name, _ in rows])
+    width_value = max([len("value")] + [len(v) for _, groups in rows for v, _ in groups])
+    lines = [f"  {'field':<{width_field}}  {'value':<{width_value}}  ranks"]
+    for name, groups in rows:
+        for i, (value, ranks) in enumerate(groups):
+            lines.append(f"  {name if i == 0 else '':<{width_field}}  {value:<{width_value}}  {format_ranks(ranks)}")
+    return "\n".join(lines)
+
+
+def _check_setup(facts: Sequence[RankFacts]) -> None:
+    columns: dict[str, dict[int, str]] = {"world_size": {f.rank: str(f.world_size) for f in facts}}
+    for name in sorted({key for f in facts for key in f.versions}):
+        columns[name] = {f.rank: f.versions.get(name, "missing") for f in facts}
+    rows = [(name, _group(values)) for name, values in columns.items() if len(set(values.values())) > 1]
+    if not rows:
+        return
+    raise SetupMismatchError(
+        "Ranks disagree on their set-up:\n"
+        + _table(rows)
+        + "\nEvery rank must run the same software with the same configuration: install identical versions on "
+        "every node (use the project's constraints file) and launch every node with the same world size "
+        "(Trainer num_nodes/devices, torchrun --nnodes/--nproc-per-node).",
+        fields=[name for name, _ in rows],
+    )
+
+
+def _check_tensor_signatures(facts: Sequence[RankFacts]) -> None:
+    reference = {t.name: t for t in facts[0].tensors}
+    problems: list[str] = []
+    for f in facts[1:]:
+        mine = {t.name: t for t in f.tensors}
+        missing = [n for n in reference if n not in mine]
+        extra = [n for n in mine if n not in reference]
+        changed = [n for n in reference if n in mine and reference[n].signature != mine[n].signature]
+        if missing:
+            problems.append(f"  rank {f.rank} lacks {len(missing)} tensor(s) of rank 0: {_names(missing)}")
+        if extra:
+            problems.append(f"  rank {f.rank} has {len(extra)} tensor(s) rank 0 lacks: {_names(extra)}")
+        for n in changed[:_MAX_LISTED]:
+            ref, other = reference[n], mine[n]
+            problems.append(
+                f"  '{n}': rank 0 has {ref.kind} {list(ref.shape)} {ref.dtype}, "
+                f"rank {f.rank} has {other.kind} {list(other.shape)} {other.dtype}"
+            )
+    if problems:
+        raise SetupMismatchError(
+            "Ranks hold different models (parameter/buffer names, shapes or dtypes differ):\n"
+            + "\n".join(problems)
+            + "\nEvery rank must build the same model: look for rank-dependent code in __init__/configure_model "
+            "(e.g. a layer size read from LOCAL_RANK, or a checkpoint of another model loaded on some ranks).",
+            fields=["tensors"],
+        )
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+def _check_tensor_values(facts: Sequence[RankFacts]) -> None:
+    reference = facts[0].tensors
+    differing: list[str] = []
+    ranks: set[int] = set()
+    for i, ref in enumerate(reference):
+        bad = [f.rank for f in facts[1:] if f.tensors[i].digest != ref.digest]
+        if bad:
+            differing.append(ref.name)
+            ranks.update(bad)
+    if not differing:
+        return
+    kinds = {t.name: t.kind for t in reference}
+    listed = ", ".join(f"{kinds[n]} '{n}'" for n in differing[:_MAX_LISTED])
+    more = f" and {len(differing) - _MAX_LISTED} more" if len(differing) > _MAX_LISTED else ""
+    raise RankDivergenceError(
+        f"Model values differ between ranks before the first step: {listed}{more} differ on rank(s) "
+        f"{format_ranks(sorted(ranks))} from rank 0. DDP copies rank 0's weights to every rank when it wraps "
+        "the model, so something changed them on some ranks afterwards: a rank-dependent edit in a hook "
+        "(on_fit_start, on_train_start, setup) or a checkpoint loaded on some ranks only. Make every rank do the "
+        "same thing (load checkpoints through trainer.fit(ckpt_path=...) or on every rank).",
+        tensors=differing,
+        ranks=sorted(ranks),
+    )
+
+
+def seed_report(facts: Sequence[RankFacts]) -> str | None:
+    """A warning text when ranks were seeded differently (or only some were seeded), else ``None``."""
+    seeds = _group({f.rank: f.seed if f.seed is not None else "not set" for f in facts})
+    if len(seeds) <= 1:
+        return None
+    table = "; ".join(f"{seed} on rank(s) {format_ranks(ranks)}" for seed, ranks in seeds)
+    return (
+        f"Ranks use different global seeds ({table}). Weights still start equal (DDP broadcasts rank 0's), but "
+        "anything seeded from it differs per rank. Call lightning.seed_everything(seed) with the same seed on "
+        "every rank, before building the model."
+    )

@@ -1,0 +1,126 @@
+"""Where a rank is: the record each rank publishes so that others can explain a hang.
+
+A :class:`Position` names the last strategy-level collective a rank entered (or the training step it is in),
+the call site that led there, and when. Positions are published to the rendezvous store by
+:class:`~ddp_strategy.control.ControlPlane`; when a barrier times out, the ranks that arrived read the
+positions of the ranks that did not, and put them in the error message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from types import FrameType
+
+__all__ = ["Position", "call_site", "format_ranks"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Frames in these libraries are skipped when looking for the user's own call site.
+_LIBRARY_MARKERS = (
+    f"{os.sep}lightning{os.sep}",
+    f"{os.sep}lightning_fabric{os.sep}",
+    f"{os.sep}pytorch_lightning{os.sep}",
+    f"{os.sep}torch{os.sep}",
+    f"{os.sep}torchmetrics{os.sep}",
+)
+
+
+@dataclass(frozen=True)
+class Position:
+    """One rank's last known position.
+
+    Attributes:
+        kind: what the rank was doing: ``"barrier"``, ``"collective"``, ``"training step"``, ``"started"``.
+        name: the barrier or collective name, or the step number for ``"training step"``.
+        site: the call site that led there, e.g. ``"train.py:42 in main"``; empty when unknown.
+        seq: how many control-plane operations this rank had entered before this one.
+        since: wall-clock time (``time.time()``) when the rank entered this position.
+        heartbeat: wall-clock time of the rank's last sign of life.
+    """
+
+    kind: str
+    name: str
+    site: str = ""
+    seq: int = 0
+    since: float = 0.0
+    heartbeat: float = 0.0
+
+    def describe(self, now: float | None = None) -> str:
+        """A one-line human description, e.g. ``barrier 'save' at train.py:42 in main (entered 3.1 s ago)``."""
+        now = time.time() if now is None else now
+        if self.kind == "training step":
+            text = f"training step {self.name}"
+        elif self.kind in ("barrier", "collective"):
+            text = f"{self.kind} '{self.name}'"
+        else:
+            text = self.name or self.kind
+        if self.site:
+            text += f" at {self.site}"
+        text += f" (entered {max(0.0, now - self.since):.1f} s ago"
+        if self.heartbeat:
+            text += f", last heartbeat {max(0.0, now - self.heartbeat):.1f} s ago"
+        return text + ")"
+
+    def with_heartbeat(self, when: float) -> Position:
+        """A copy of this position with the heartbeat time set to ``when``."""
+        return replace(self, heartbeat=when)
+
+    def to_bytes(self) -> bytes:
+        """Serialise for the rendezvous store."""
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Position:
+        """Inverse of :meth:`to_bytes`."""
+        return cls(**json.loads(data.decode()))
+
+
+def _frame_text(frame: FrameType) -> str:
+    path = frame.f_code.co_filename
+    short = os.path.relpath(path) if not os.path.isabs(path) or path.startswith(os.getcwd()) else path
+    return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def call_site(skip: int = 1) -> str:
+    """Describe the code that called into the strategy.
+
+    The result names the first frame outside ``ddp_strategy`` and the deep-learning libraries (the user's
+    code), followed by the first frame outside ``ddp_strategy`` when that is a library frame, e.g.
+    ``"train.py:40 in main (via lightning/pytorch/trainer/call.py:105 in _call_setup_hook)"``.
+
+    Args:
+        skip: how many innermost frames to ignore (1 skips this function's caller's caller chain start).
+    """
+    frame: FrameType | None = sys._getframe(skip)
+    first_outside: FrameType | None = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PACKAGE_DIR):
+            if first_outside is None:
+                first_outside = frame
+            if not any(marker in path for marker in _LIBRARY_MARKERS):
+                user = _frame_text(frame)
+                return user if frame is first_outside else f"{user} (via {_frame_text(first_outside)})"
+        frame = frame.f_back
+    return _frame_text(first_outside) if first_outside is not None else ""
+
+
+def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    """Compress a list of ranks into ranges: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for rank in ordered:
+        if start is None:
+            start = prev = rank
+        elif prev is not None and rank == prev + 1:
+            prev = rank
+        else:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = prev = rank
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(parts)

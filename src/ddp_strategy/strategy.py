@@ -1,0 +1,204 @@
+"""``SafeDDPStrategy``: Lightning's DDP strategy, with every cross-rank mistake turned into a named error."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from ddp_strategy.control import ControlPlane, to_timedelta
+from ddp_strategy.handshake import check_facts, collect_facts, seed_report
+from ddp_strategy.positions import call_site
+
+__all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+#: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
+DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
+
+
+class SafeDDPStrategy(DDPStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` with cross-rank safety checks.
+
+    It accepts every argument ``DDPStrategy`` accepts (extra keyword arguments go to
+    :class:`torch.nn.parallel.DistributedDataParallel`), plus the ones below. On top of DDP it
+
+    * builds a *control plane* (a gloo group and the rendezvous store) for its own messages, so its checks work
+      the same when the data plane is NCCL;
+    * runs a start-up *handshake* before the first training, validation, test or predict step: duplicate
+      devices, differing versions/world size/model structure, and differing weights raise named errors;
+    * makes :meth:`barrier` a *monitored, named* barrier that raises
+      :class:`~ddp_strategy.errors.CollectiveMismatchError` after ``barrier_timeout`` instead of hanging.
+
+    Use it as ``Trainer(strategy=SafeDDPStrategy(...))`` or, after ``import ddp_strategy``,
+    ``Trainer(strategy="safe_ddp")`` (``"safe_ddp_spawn"`` for the spawn launcher).
+
+    Args:
+        *args: passed to ``DDPStrategy``.
+        barrier_timeout: how long a barrier (and each control-plane collective) waits for all ranks, as seconds
+            or a ``timedelta``. Default: 10 minutes. Raise it if rank 0 legitimately takes longer alone (a long
+            ``prepare_data`` download, a huge checkpoint write).
+        handshake: run the start-up handshake. Default: ``True``.
+        heartbeat_interval: seconds between the publications of each rank's position to the rendezvous store,
+            used to say where a missing rank was. ``0`` disables the background heartbeat thread.
+        **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
+
+    Raises:
+        ValueError: ``barrier_timeout`` or ``heartbeat_interval`` is not a positive number.
+    """
+
+    strategy_name = "safe_ddp"
+
+    def __init__(
+        self,
+        *args: Any,
+        barrier_timeout: float | timedelta = DEFAULT_BARRIER_TIMEOUT,
+        handshake: bool = True,
+        heartbeat_interval: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.barrier_timeout = to_timedelta(barrier_timeout, name="barrier_timeout")
+        if not isinstance(heartbeat_interval, (int, float)) or heartbeat_interval < 0:
+            raise ValueError(
+                f"`heartbeat_interval` must be a number of seconds >= 0, got {heartbeat_interval!r}."
+            )
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.handshake_enabled = handshake
+        #: Seconds the last start-up handshake took on this rank (``None`` before the first one).
+        self.last_handshake_seconds: float | None = None
+        self._control: ControlPlane | None = None
+        self._handshake_done = False
+        self._failed = False
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"safe_ddp"`` (subprocess launcher) and ``"safe_ddp_spawn"`` (spawn launcher)."""
+        for name, start_method in (("safe_ddp", "popen"), ("safe_ddp_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"SafeDDPStrategy (checked DDP) with start_method '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )
+
+    # ------------------------------------------------------------------ life cycle
+    @property
+    def control_plane(self) -> ControlPlane | None:
+        """The control plane, available between ``setup_environment`` and ``teardown``."""
+        return self._control
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._control is None:
+            self._control = ControlPlane.create(
+                timeout=self.barrier_timeout, heartbeat_interval=self.heartbeat_interval
+            )
+        self._failed = False
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._handshake_done = False
+
+    @override
+    def on_train_start(self) -> None:
+        # Always checked here, even after the sanity-check validation ran the handshake: user hooks such as
+        # on_train_start run in between and may change weights on one rank.
+        self._run_handshake("train")
+        super().on_train_start()
+
+    @override
+    def on_validation_start(self) -> None:
+        if not self._handshake_done:
+            self._run_handshake("validate")
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        if not self._handshake_done:
+            self._run_handshake("test")
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        if not self._handshake_done:
+            self._run_handshake("predict")
+        super().on_predict_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._control is not None and self.lightning_module is not None:
+            self._control.note_step(self.lightning_module.trainer.global_step)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        if self._control is not None:
+            # After a failure other ranks may never reach a closing barrier: only close collectively on success.
+            self._control.close(graceful=not self._failed)
+            self._control = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """Wait for every rank, at most ``barrier_timeout``; see :meth:`ControlPlane.barrier`.
+
+        Args:
+            name: the barrier's name, shown in errors and compared across ranks.
+            *args: ignored, for signature compatibility with ``DDPStrategy.barrier``.
+            **kwargs: ignored, for signature compatibility with ``DDPStrategy.barrier``.
+
+        Raises:
+            CollectiveMismatchError: not every rank arrived in time, or ranks arrived at differently named
+                barriers.
+        """
+        if self._control is None or not dist.is_initialized():
+            super().barrier(name)
+            return
+        self._control.barrier(name, site=call_site(skip=2))
+
+    # ------------------------------------------------------------------ handshake
+    def _run_handshake(self, stage: str) -> None:
+        if not self.handshake_enabled or self._control is None:
+            return
+        assert self.model is not None  # set by connect() before any stage starts
+        start = time.perf_counter()
+        facts = collect_facts(
+            rank=self.global_rank,
+            local_rank=self.local_rank,
+            node_rank=self.node_rank,
+            world_size=self.world_size,
+            device=self.root_device,
+            module=self.model,
+        )
+        gathered = self._control.all_gather_object(facts, name=f"handshake:{stage}", site=call_site(skip=2))
+        check_facts(gathered)
+        self.last_handshake_seconds = time.perf_counter() - start
+        self._handshake_done = True
+        warning = seed_report(gathered)
+        if warning is not None:
+            rank_zero_warn(warning)
+        rank_zero_info(
+            f"ddp_strategy: {stage} handshake passed on {self.world_size} rank(s) "
+            f"({len(facts.tensors)} tensors compared) in {self.last_handshake_seconds * 1000:.1f} ms"
+        )

@@ -1,0 +1,122 @@
+"""Standalone multi-process scenarios driven by the tests (Lightning's launcher re-runs this script per rank).
+
+Usage: python scenario.py NAME --out RESULT.json [--devices N] [--strategy safe_ddp|ddp] [--barrier-timeout S]
+
+Rank 0 writes a JSON result to --out on success; failures exit non-zero with the error on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ddp_strategy
+from ddp_strategy import SafeDDPStrategy
+
+
+class TinyModel(pl.LightningModule):
+    def __init__(self, scenario: str = "fit_ok") -> None:
+        super().__init__()
+        self.scenario = scenario
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
+        self.register_buffer("counter", torch.zeros(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        rank = self.trainer.global_rank
+        if self.scenario == "barrier_rank0_only" and self.global_step == 2 and rank == 0:
+            self.trainer.strategy.barrier("only_rank0")
+        if self.scenario == "barrier_rank1_only" and self.global_step == 2 and rank == 1:
+            self.trainer.strategy.barrier("only_rank1")
+        if self.scenario == "barrier_names_differ" and self.global_step == 1:
+            self.trainer.strategy.barrier("save" if rank == 0 else "load")
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def on_train_start(self) -> None:
+        if self.scenario == "diverge_after_wrap" and self.trainer.global_rank == 1:
+            with torch.no_grad():
+                self.net[3].weight.add_(0.5)
+        if self.scenario == "diverge_buffer" and self.trainer.global_rank == 1:
+            self.counter += 1
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loaders(n: int = 64) -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    ds = TensorDataset(x, y)
+    return DataLoader(ds, batch_size=8, shuffle=True), DataLoader(ds, batch_size=8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", default="safe_ddp")
+    parser.add_argument("--barrier-timeout", type=float, default=60.0)
+    parser.add_argument("--max-epochs", type=int, default=2)
+    args = parser.parse_args()
+
+    pl.seed_everything(1234)
+
+    def make_strategy() -> Any:
+        if args.strategy == "safe_ddp":
+            return SafeDDPStrategy(barrier_timeout=args.barrier_timeout, heartbeat_interval=0.2)
+        if args.strategy == "safe_ddp_string":
+            return "safe_ddp"
+        return args.strategy
+
+    model = TinyModel(args.scenario)
+    train, val = loaders()
+    runs = 2 if args.scenario == "two_fits" else 1
+    handshake_seconds = []
+    for _ in range(runs):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=make_strategy(),
+            max_epochs=args.max_epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, train, val)
+        if args.scenario == "two_fits":
+            trainer.validate(model, val, verbose=False)
+        handshake_seconds.append(getattr(trainer.strategy, "last_handshake_seconds", None))
+    if trainer.is_global_zero:
+        result = {
+            "scenario": args.scenario,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "global_step": trainer.global_step,
+            "handshake_seconds": handshake_seconds,
+            "control_plane_closed": getattr(trainer.strategy, "control_plane", None) is None,
+            "ddp_strategy_version": ddp_strategy.__version__,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         strategy=args.strategy,
         max_epochs=args.max_epochs,
         callbacks=[checkpoint, summary],
-        logger=CSVLogger(save_dir=ckpt_dir, name="logs"),
+        logger=CSVLogger(save_dir=ckpt_dir.parent, name=f"{ckpt_dir.name}-logs"),
         default_root_dir=ckpt_dir,
         enable_progress_bar=False,
         log_every_n_steps=5,

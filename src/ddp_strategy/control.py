@@ -108,6 +108,8 @@ class ControlPlane:
         self._stop = threading.Event()
         self._heartbeat_store = heartbeat_store if heartbeat_store is not None else store
         self._heartbeat_interval = heartbeat_interval
+        # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
+        self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
         self._publish(self._position)
         if world_size > 1 and heartbeat_interval > 0:
@@ -211,12 +213,7 @@ class ControlPlane:
             self._store.set(keys[self.rank], name)
         except Exception as err:
             raise self._store_lost(name, site, err) from err
-        try:
-            self._store.wait(keys, self.timeout)
-        except Exception as err:
-            missing = self._missing(keys, name, site, err)
-            if missing:
-                raise self._timeout_error(name, site, seq, missing, time.time() - entered) from err
+        self._wait_all(keys, name, site, seq, entered)
         names = [self._store.get(key).decode() for key in keys]
         self._check_names(name, site, names)
         if seq > 0:  # every rank has passed barrier seq-1 once all arrived at seq: its key can go
@@ -237,6 +234,29 @@ class ControlPlane:
         dist.all_gather_object(out, obj, group=self._group)
         return out
 
+    def _wait_all(self, keys: list[str], name: str, site: str, seq: int, entered: float) -> None:
+        """Wait for every arrival key; fail early when a missing rank has published a failure."""
+        deadline = entered + self.timeout.total_seconds()
+        while True:
+            remaining = deadline - time.time()
+            try:
+                self._store.wait(keys, timedelta(seconds=max(0.001, min(remaining, self._poll_interval))))
+                return
+            except Exception as err:
+                missing = self._missing(keys, name, site, err)
+                if not missing:
+                    return
+                positions = {rank: self._safe_read_position(rank) for rank in missing}
+                failed = any(p is not None and p.kind == "failed" for p in positions.values())
+                if failed or time.time() >= deadline:
+                    raise self._timeout_error(name, site, positions, time.time() - entered, failed) from err
+
+    def _safe_read_position(self, rank: int) -> Position | None:
+        try:
+            return self.read_position(rank)
+        except Exception:  # best effort: the error being raised is what matters
+            return None
+
     def _missing(self, keys: Sequence[str], name: str, site: str, err: Exception) -> list[int]:
         try:
             return [r for r, key in enumerate(keys) if not self._store.check([key])]
@@ -244,28 +264,48 @@ class ControlPlane:
             raise self._store_lost(name, site, store_err) from err
 
     def _timeout_error(
-        self, name: str, site: str, seq: int, missing: list[int], waited: float
+        self, name: str, site: str, positions: dict[int, Position | None], waited: float, failed: bool
     ) -> CollectiveMismatchError:
         now = time.time()
+        missing = sorted(positions)
+        reason = "failed before arriving" if failed else "never arrived"
         lines = [
             f"Rank {self.rank} waited {waited:.1f} s at barrier '{name}' ({site or 'unknown site'}), "
-            f"but rank(s) {format_ranks(missing)} never arrived (barrier_timeout="
-            f"{self.timeout.total_seconds():g} s). Where they were last seen:"
+            f"but rank(s) {format_ranks(missing)} {reason} (barrier_timeout={self.timeout.total_seconds():g} s). "
+            "Where they were last seen:"
         ]
+        stale_after = max(1.0, 3 * self._poll_interval)
         for rank in missing:
-            try:
-                position = self.read_position(rank)
-            except Exception:  # reading is best effort: the error below is what matters
-                position = None
-            where = position.describe(now) if position is not None else "no position published (never started?)"
+            position = positions[rank]
+            if position is None:
+                where = "no position published (the process may never have started)"
+            else:
+                where = position.describe(now)
+                if position.kind != "failed" and position.heartbeat and now - position.heartbeat > stale_after:
+                    where += " -- no heartbeat since: the process has probably died or is frozen"
             lines.append(f"  rank {rank}: {where}")
-        lines.append(
-            "Every rank must call the same barriers in the same order. A barrier inside "
-            "`if trainer.is_global_zero:` (or any rank-dependent branch) is the usual cause: move it out of the "
-            "branch. If the other ranks are just slow (a long prepare_data or checkpoint write), raise "
-            "SafeDDPStrategy(barrier_timeout=...)."
-        )
+        if failed:
+            lines.append("Look at the failed rank's own error above for the cause; this rank stops too.")
+        else:
+            lines.append(
+                "Every rank must call the same barriers in the same order. A barrier inside "
+                "`if trainer.is_global_zero:` (or any rank-dependent branch) is the usual cause: move it out of "
+                "the branch. If the other ranks are just slow (a long prepare_data or checkpoint write), raise "
+                "SafeDDPStrategy(barrier_timeout=...)."
+            )
         return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing)
+
+    def note_failure(self, exception: BaseException) -> None:
+        """Publish that this rank failed, so ranks waiting for it stop at once and name the error.
+
+        Best effort: when the store is unreachable the failure is only logged.
+        """
+        text = f"{type(exception).__name__}: {exception}".splitlines()[0][:300]
+        self._position = Position(kind="failed", name=text, seq=self._seq, since=time.time())
+        try:
+            self._publish(self._position)
+        except Exception as err:
+            log.warning("ddp_strategy: rank %d could not publish its failure (%s)", self.rank, err)
 
     def _store_lost(self, name: str, site: str, err: Exception) -> CollectiveMismatchError:
         return CollectiveMismatchError(

@@ -33,8 +33,10 @@ class Position:
     """One rank's last known position.
 
     Attributes:
-        kind: what the rank was doing: ``"barrier"``, ``"collective"``, ``"training step"``, ``"started"``.
-        name: the barrier or collective name, or the step number for ``"training step"``.
+        kind: what the rank was doing: ``"barrier"``, ``"collective"``, ``"training step"``, ``"started"``,
+            or ``"failed"``.
+        name: the barrier or collective name, the step number for ``"training step"``, or the error text for
+            ``"failed"``.
         site: the call site that led there, e.g. ``"train.py:42 in main"``; empty when unknown.
         seq: how many control-plane operations this rank had entered before this one.
         since: wall-clock time (``time.time()``) when the rank entered this position.
@@ -51,6 +53,8 @@ class Position:
     def describe(self, now: float | None = None) -> str:
         """A one-line human description, e.g. ``barrier 'save' at train.py:42 in main (entered 3.1 s ago)``."""
         now = time.time() if now is None else now
+        if self.kind == "failed":
+            return f"failed with {self.name} ({max(0.0, now - self.since):.1f} s ago)"
         if self.kind == "training step":
             text = f"training step {self.name}"
         elif self.kind in ("barrier", "collective"):

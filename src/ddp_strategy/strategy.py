@@ -148,6 +148,8 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if self._control is not None:
+            self._control.note_failure(exception)
         super().on_exception(exception)
 
     @override

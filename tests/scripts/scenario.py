@@ -49,6 +49,8 @@ class TinyModel(pl.LightningModule):
         if self.scenario == "diverge_after_wrap" and self.trainer.global_rank == 1:
             with torch.no_grad():
                 self.net[3].weight.add_(0.5)
+        if self.scenario == "crash_rank1_before_handshake" and self.trainer.global_rank == 1:
+            raise ValueError("injected failure on rank 1")
         if self.scenario == "diverge_buffer" and self.trainer.global_rank == 1:
             self.counter += 1
 

@@ -1,0 +1,49 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing and install the project with the exact versions of constraints.txt.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: help install demo test test-fast lint format bench clean
+
+help:
+	@echo "make demo   - set up .venv, train the CIFAR-10 example on 2 CPU processes with SafeDDPStrategy"
+	@echo "make test   - set up .venv, run lint (ruff, mypy) and the whole test suite"
+	@echo "make lint   - ruff + mypy only"
+	@echo "make bench  - run the benchmarks under bench/"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --upgrade-strategy only-if-needed -c constraints.txt -e ".[dev,examples]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/cifar10/train.py --devices 2 --accelerator cpu --max-epochs 3
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests examples bench
+	$(PY) -m ruff format --check src tests examples bench
+	$(PY) -m mypy
+
+test: $(STAMP) lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+format: $(STAMP)
+	$(PY) -m ruff format src tests examples bench
+	$(PY) -m ruff check --fix src tests examples bench
+
+bench: $(STAMP)
+	$(PY) bench/handshake.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

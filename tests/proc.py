@@ -58,9 +58,7 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def run_script(
-    args: list[str], *, timeout: float, out: Path | None = None, env: dict[str, str] | None = None
-) -> Run:
+def run_script(args: list[str], *, timeout: float, out: Path | None = None, env: dict[str, str] | None = None) -> Run:
     """Run ``python args...`` from the repository root with a hard timeout; kill its whole process group."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher

@@ -19,8 +19,7 @@ def facts_for(world_size: int, module: nn.Module | None = None, overrides: dict 
         rank=0, local_rank=0, node_rank=0, world_size=world_size, device=torch.device("cpu"), module=module
     )
     return [
-        dataclasses.replace(base, rank=r, local_rank=r, pid=1000 + r, **overrides.get(r, {}))
-        for r in range(world_size)
+        dataclasses.replace(base, rank=r, local_rank=r, pid=1000 + r, **overrides.get(r, {})) for r in range(world_size)
     ]
 
 
@@ -112,9 +111,7 @@ def test_value_divergence_names_first_tensor_and_rank():
     facts = facts_for(3, module=model)
     with torch.no_grad():
         model[1].running_mean += 1
-    changed = collect_facts(
-        rank=2, local_rank=2, node_rank=0, world_size=3, device=torch.device("cpu"), module=model
-    )
+    changed = collect_facts(rank=2, local_rank=2, node_rank=0, world_size=3, device=torch.device("cpu"), module=model)
     with pytest.raises(RankDivergenceError) as info:
         check_facts([facts[0], facts[1], changed])
     assert info.value.tensors == ("1.running_mean",)

@@ -12,7 +12,7 @@ def test_format_ranks():
 
 def test_position_roundtrip_and_describe():
     p = Position(kind="barrier", name="save", site="train.py:3 in main", seq=4, since=100.0, heartbeat=109.0)
-    assert Position.from_bytes(p.to_bytes()) == p
+    assert Position.from_json(p.to_json()) == p
     text = p.describe(now=110.0)
     assert text == "barrier 'save' at train.py:3 in main (entered 10.0 s ago, last heartbeat 1.0 s ago)"
     step = Position(kind="training step", name="12", since=109.0)

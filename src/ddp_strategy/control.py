@@ -42,7 +42,7 @@ _UNNAMED = "<unnamed>"
 class Store(Protocol):
     """The subset of :class:`torch.distributed.Store` the control plane uses (a fake one is used in tests)."""
 
-    def set(self, key: str, value: str | bytes) -> None: ...  # noqa: D102
+    def set(self, key: str, value: str) -> None: ...  # noqa: D102
 
     def get(self, key: str) -> bytes: ...  # noqa: D102
 
@@ -58,6 +58,7 @@ def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:
 
     Raises:
         ValueError: ``value`` is not positive, or not a number or ``timedelta``.
+
     """
     if isinstance(value, timedelta):
         delta = value
@@ -85,6 +86,7 @@ class ControlPlane:
         timeout: how long a barrier waits for the other ranks.
         heartbeat_interval: how often (seconds) a background thread re-publishes this rank's position.
         heartbeat_store: a second connection to the store for the heartbeat thread (defaults to ``store``).
+
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class ControlPlane:
 
         Raises:
             RuntimeError: the default process group is not initialised.
+
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -136,11 +139,16 @@ class ControlPlane:
             )
         rank, world_size = dist.get_rank(), dist.get_world_size()
         group = dist.new_group(backend="gloo", timeout=timeout)
+        if not isinstance(group, dist.ProcessGroup):  # every rank is a member of this group
+            raise RuntimeError(f"ddp_strategy: creating the gloo control group returned {group!r}")
         token = [uuid.uuid4().hex if rank == 0 else ""]
         dist.broadcast_object_list(token, src=0, group=group)
         base = dist.distributed_c10d._get_default_store()
-        store = dist.PrefixStore(f"ddp_strategy/{token[0]}/", base)
-        heartbeat_store = dist.PrefixStore(f"ddp_strategy/{token[0]}/", base.clone()) if world_size > 1 else None
+        prefix = f"ddp_strategy/{token[0]}/"
+        store: Store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        heartbeat_store: Store | None = None
+        if world_size > 1:  # a second connection, so the heartbeat never waits behind a blocking wait()
+            heartbeat_store = dist.PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
         return cls(
             rank=rank,
             world_size=world_size,
@@ -162,13 +170,13 @@ class ControlPlane:
         self._position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time())
 
     def _publish(self, position: Position) -> None:
-        self._store.set(_POSITION_KEY.format(rank=self.rank), position.with_heartbeat(time.time()).to_bytes())
+        self._store.set(_POSITION_KEY.format(rank=self.rank), position.with_heartbeat(time.time()).to_json())
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_interval):
             try:
                 key = _POSITION_KEY.format(rank=self.rank)
-                self._heartbeat_store.set(key, self._position.with_heartbeat(time.time()).to_bytes())
+                self._heartbeat_store.set(key, self._position.with_heartbeat(time.time()).to_json())
             except Exception as err:  # the store is gone: rank 0 exited or died
                 if not self._stop.is_set():
                     log.warning(
@@ -184,7 +192,7 @@ class ControlPlane:
         key = _POSITION_KEY.format(rank=rank)
         if not self._store.check([key]):
             return None
-        return Position.from_bytes(self._store.get(key))
+        return Position.from_json(self._store.get(key))
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None, *, site: str | None = None) -> None:
@@ -198,6 +206,7 @@ class ControlPlane:
         Raises:
             CollectiveMismatchError: some ranks did not arrive within the timeout, or arrived at a barrier with
                 a different name.
+
         """
         name = name or _UNNAMED
         site = call_site(skip=2) if site is None else site
@@ -340,6 +349,7 @@ class ControlPlane:
             graceful: end with a barrier on the gloo group so that no rank still needs the store when rank 0
                 goes on. Every rank must then call ``close``. Pass ``False`` after a failure, when other ranks
                 may never arrive.
+
         """
         self._stop.set()
         if self._heartbeat is not None:

@@ -30,6 +30,7 @@ class DuplicateDeviceError(DDPStrategyError):
         device: the device that is shared, e.g. ``"cuda:0"``.
         host: the host name of the machine the ranks run on.
         ranks: the global ranks sharing the device.
+
     """
 
     def __init__(self, message: str, *, device: str, host: str, ranks: Sequence[int]) -> None:
@@ -44,6 +45,7 @@ class SetupMismatchError(DDPStrategyError):
 
     Attributes:
         fields: the names of the facts that differ between ranks, e.g. ``("torch", "world_size")``.
+
     """
 
     def __init__(self, message: str, *, fields: Sequence[str]) -> None:
@@ -57,6 +59,7 @@ class RankDivergenceError(DDPStrategyError):
     Attributes:
         tensors: the names of the differing tensors, first differing one first.
         ranks: the global ranks whose values differ from rank 0's (or the majority's).
+
     """
 
     def __init__(self, message: str, *, tensors: Sequence[str], ranks: Sequence[int]) -> None:
@@ -71,6 +74,7 @@ class CollectiveMismatchError(DDPStrategyError):
     Attributes:
         name: the name of the barrier or collective that failed.
         missing_ranks: the global ranks that never arrived.
+
     """
 
     def __init__(self, message: str, *, name: str, missing_ranks: Sequence[int]) -> None:
@@ -84,6 +88,7 @@ class CheckpointIntegrityError(DDPStrategyError):
 
     Attributes:
         path: the checkpoint file that failed verification.
+
     """
 
     def __init__(self, message: str, *, path: str) -> None:

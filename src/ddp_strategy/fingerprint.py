@@ -33,6 +33,7 @@ class TensorFingerprint:
         shape: the tensor's shape.
         dtype: the tensor's dtype, as a string such as ``"torch.float32"``.
         digest: the two fingerprint integers, or ``None`` for tensors that cannot be read (meta, sparse).
+
     """
 
     name: str
@@ -113,6 +114,7 @@ def fingerprint_tensors(tensors: list[tuple[str, str, Tensor]]) -> list[TensorFi
 
     Args:
         tensors: ``(name, kind, tensor)`` triples, as yielded by :func:`named_tensors`.
+
     """
     digests: list[Tensor | None] = []
     for _, _, tensor in tensors:
@@ -125,12 +127,10 @@ def fingerprint_tensors(tensors: list[tuple[str, str, Tensor]]) -> list[TensorFi
     values: dict[int, tuple[int, int]] = {}
     for indices in by_device.values():
         stacked = torch.stack([digests[i] for i in indices]).cpu().tolist()  # type: ignore[misc]
-        for i, pair in zip(indices, stacked):
+        for i, pair in zip(indices, stacked, strict=True):
             values[i] = (int(pair[0]), int(pair[1]))
     return [
-        TensorFingerprint(
-            name=name, kind=kind, shape=tuple(t.shape), dtype=str(t.dtype), digest=values.get(i)
-        )
+        TensorFingerprint(name=name, kind=kind, shape=tuple(t.shape), dtype=str(t.dtype), digest=values.get(i))
         for i, (name, kind, t) in enumerate(tensors)
     ]
 

@@ -49,6 +49,7 @@ class RankFacts:
         world_size: the world size this rank was configured with.
         seed: the global seed (``PL_GLOBAL_SEED``) or ``None`` when not seeded.
         tensors: fingerprints of every parameter and buffer, in registration order.
+
     """
 
     rank: int
@@ -118,6 +119,7 @@ def check_facts(facts: Sequence[RankFacts]) -> None:
         DuplicateDeviceError: two ranks on the same accelerator device.
         SetupMismatchError: versions, world size, or tensor names/shapes/dtypes differ between ranks.
         RankDivergenceError: parameter or buffer values differ between ranks.
+
     """
     _check_devices(facts)
     _check_setup(facts)

@@ -41,6 +41,7 @@ class Position:
         seq: how many control-plane operations this rank had entered before this one.
         since: wall-clock time (``time.time()``) when the rank entered this position.
         heartbeat: wall-clock time of the rank's last sign of life.
+
     """
 
     kind: str
@@ -72,14 +73,14 @@ class Position:
         """A copy of this position with the heartbeat time set to ``when``."""
         return replace(self, heartbeat=when)
 
-    def to_bytes(self) -> bytes:
+    def to_json(self) -> str:
         """Serialise for the rendezvous store."""
-        return json.dumps(asdict(self)).encode()
+        return json.dumps(asdict(self))
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Position:
-        """Inverse of :meth:`to_bytes`."""
-        return cls(**json.loads(data.decode()))
+    def from_json(cls, data: str | bytes) -> Position:
+        """Inverse of :meth:`to_json` (accepts the bytes a store returns)."""
+        return cls(**json.loads(data))
 
 
 def _frame_text(frame: FrameType) -> str:
@@ -97,6 +98,7 @@ def call_site(skip: int = 1) -> str:
 
     Args:
         skip: how many innermost frames to ignore (1 skips this function's caller's caller chain start).
+
     """
     frame: FrameType | None = sys._getframe(skip)
     first_outside: FrameType | None = None

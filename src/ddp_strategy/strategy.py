@@ -9,9 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from ddp_strategy.control import ControlPlane, to_timedelta
@@ -54,6 +54,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     Raises:
         ValueError: ``barrier_timeout`` or ``heartbeat_interval`` is not a positive number.
+
     """
 
     strategy_name = "safe_ddp"
@@ -69,9 +70,7 @@ class SafeDDPStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self.barrier_timeout = to_timedelta(barrier_timeout, name="barrier_timeout")
         if not isinstance(heartbeat_interval, (int, float)) or heartbeat_interval < 0:
-            raise ValueError(
-                f"`heartbeat_interval` must be a number of seconds >= 0, got {heartbeat_interval!r}."
-            )
+            raise ValueError(f"`heartbeat_interval` must be a number of seconds >= 0, got {heartbeat_interval!r}.")
         self.heartbeat_interval = float(heartbeat_interval)
         self.handshake_enabled = handshake
         #: Seconds the last start-up handshake took on this rank (``None`` before the first one).
@@ -173,6 +172,7 @@ class SafeDDPStrategy(DDPStrategy):
         Raises:
             CollectiveMismatchError: not every rank arrived in time, or ranks arrived at differently named
                 barriers.
+
         """
         if self._control is None or not dist.is_initialized():
             super().barrier(name)

@@ -8,15 +8,27 @@ from ddp_strategy import fingerprint as fp
 from ddp_strategy.fingerprint import fingerprint_module, fingerprint_tensors, named_tensors
 
 
-def digest(t: torch.Tensor) -> tuple[int, int] | None:
+def host_digest(t: torch.Tensor) -> tuple[int, int] | None:
+    """The path used for CPU tensors (BLAKE2b of the bytes)."""
     return fingerprint_tensors([("t", "parameter", t)])[0].digest
+
+
+def device_digest(t: torch.Tensor) -> tuple[int, int]:
+    """The path used for accelerator tensors (integer sums on the device), run here on the CPU."""
+    a, b = fp._digest(t).tolist()
+    return a, b
+
+
+@pytest.fixture(params=[host_digest, device_digest], ids=["host", "device"])
+def digest(request):
+    return request.param
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_equal_tensors_equal_digest_and_one_change_detected(dtype):
+def test_equal_tensors_equal_digest_and_one_change_detected(digest, dtype):
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(37, 11, generator=g) * 50).to(dtype)
     b = a.clone()
@@ -25,27 +37,27 @@ def test_equal_tensors_equal_digest_and_one_change_detected(dtype):
     assert digest(a) != digest(b)
 
 
-def test_swapped_elements_are_detected():
+def test_swapped_elements_are_detected(digest):
     a = torch.arange(2048, dtype=torch.float32)
     b = a.clone()
     b[[5, 900]] = b[[900, 5]]
     assert digest(a) != digest(b)
 
 
-def test_swapped_rows_across_position_rows_are_detected():
+def test_swapped_rows_across_position_rows_are_detected(digest):
     a = torch.randn(4096)
     b = a.clone()
     b[:1024], b[1024:2048] = a[1024:2048].clone(), a[:1024].clone()
     assert digest(a) != digest(b)
 
 
-def test_bit_level_differences_count():
+def test_bit_level_differences_count(digest):
     assert digest(torch.tensor([0.0])) != digest(torch.tensor([-0.0]))
     nan = torch.tensor([float("nan")])
     assert digest(nan) == digest(nan.clone())
 
 
-def test_bool_complex_and_non_contiguous():
+def test_bool_complex_and_non_contiguous(digest):
     m = torch.rand(6, 6) > 0.5
     assert digest(m) == digest(m.clone())
     c = torch.randn(5, dtype=torch.complex64)
@@ -56,7 +68,7 @@ def test_bool_complex_and_non_contiguous():
     assert digest(t.t()) == digest(t.t().contiguous())
 
 
-def test_large_tensor_spans_several_chunks(monkeypatch):
+def test_large_tensor_spans_several_chunks(monkeypatch, digest):
     monkeypatch.setattr(fp, "_CHUNK", 1024 * 4)
     a = torch.randn(1024 * 10 + 3)
     b = a.clone()
@@ -68,8 +80,9 @@ def test_large_tensor_spans_several_chunks(monkeypatch):
 
 
 def test_empty_and_meta_tensors():
-    assert digest(torch.empty(0)) is not None
-    assert digest(torch.empty(3, device="meta")) is None
+    assert host_digest(torch.empty(0)) is not None
+    assert device_digest(torch.empty(0)) == (0, 0)
+    assert host_digest(torch.empty(3, device="meta")) is None
 
 
 def test_module_fingerprint_names_kinds_and_ddp_prefix():

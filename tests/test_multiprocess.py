@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from tests.proc import run_scenario
 
 pytestmark = pytest.mark.multiprocess

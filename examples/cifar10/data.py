@@ -81,6 +81,12 @@ _FULL_SIZES: Final[dict[str, int]] = {"train": 50_000, "test": 10_000}
 
 Transform = Callable[[Tensor], Tensor]
 
+# Difficulty of the synthetic data set (in units of the prototype's standard deviation): the largest share of a
+# random other class blended into a sample, the per-image colour jitter, and the per-pixel noise.
+_SYNTHETIC_MAX_MIX: Final[float] = 0.45
+_SYNTHETIC_COLOUR_JITTER: Final[float] = 0.5
+_SYNTHETIC_NOISE: Final[float] = 1.6
+
 
 class TensorImageDataset(Dataset[tuple[Tensor, Tensor]]):
     """Images held in memory as one uint8 tensor, transformed on access.
@@ -150,14 +156,19 @@ def make_synthetic_cifar10(num_samples: int, seed: int, split: str = "train") ->
     chunk = 4096
     for start in range(0, num_samples, chunk):
         stop = min(start + chunk, num_samples)
-        base = prototypes[labels[start:stop]]
-        shifts = torch.randint(-4, 5, (stop - start, 2), generator=sample_gen)
+        n = stop - start
+        # The true class dominates, but a random other class is blended in and the colour is jittered.
+        others = (labels[start:stop] + torch.randint(1, num_classes, (n,), generator=sample_gen)) % num_classes
+        mix = _SYNTHETIC_MAX_MIX * torch.rand(n, 1, 1, 1, generator=sample_gen)
+        base = (1 - mix) * prototypes[labels[start:stop]] + mix * prototypes[others]
+        shifts = torch.randint(-4, 5, (n, 2), generator=sample_gen)
         shifted = torch.stack(
             [torch.roll(img, shifts=(int(dy), int(dx)), dims=(1, 2)) for img, (dy, dx) in zip(base, shifts)]
         )
-        contrast = 0.6 + 0.8 * torch.rand(stop - start, 1, 1, 1, generator=sample_gen)
-        noise = torch.randn(stop - start, 3, 32, 32, generator=sample_gen)
-        values = 128 + 40 * (contrast * shifted + 1.1 * noise)
+        contrast = 0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=sample_gen)
+        jitter = _SYNTHETIC_COLOUR_JITTER * torch.randn(n, 3, 1, 1, generator=sample_gen)
+        noise = torch.randn(n, 3, 32, 32, generator=sample_gen)
+        values = 128 + 40 * (contrast * shifted + jitter + _SYNTHETIC_NOISE * noise)
         images[start:stop] = values.round().clamp(0, 255).to(torch.uint8)
     return images, labels
 
@@ -199,6 +210,7 @@ def _extract_archive(archive: Path, data_dir: Path) -> Path:
                 f"{archive} does not contain the expected train/<class>/ and test/<class>/ folders "
                 f"for the classes {', '.join(CIFAR10_CLASSES)}"
             )
+        _chmod_dir_default(root)
         try:
             os.replace(root, target)
         except OSError:
@@ -208,6 +220,17 @@ def _extract_archive(archive: Path, data_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _chmod_dir_default(root: Path) -> None:
+    """Give a folder made by :func:`tempfile.mkdtemp` (mode 0700) the usual permissions of a new folder."""
+    os.chmod(root, 0o777 & ~_umask())
 
 
 def _decode_split(root: Path, split: str) -> tuple[Tensor, Tensor]:
@@ -239,6 +262,7 @@ def _atomic_torch_save(obj: object, path: Path) -> None:
     os.close(fd)
     try:
         torch.save(obj, tmp_name)
+        os.chmod(tmp_name, 0o666 & ~_umask())
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

@@ -1,11 +1,13 @@
 """A small ResNet-style CIFAR-10 classifier as a :class:`~lightning.pytorch.LightningModule`.
 
-The network is deliberately small (about 0.2 M parameters with the default ``width=16``) so that an epoch
+The network is deliberately small (about 0.3 M parameters with the default ``width=32``) so that an epoch
 over a few thousand images takes seconds per process on one CPU core, while still learning quickly enough
 for the accuracy to rise visibly within two or three epochs.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,9 @@ from torchmetrics.classification import MulticlassAccuracy
 __all__ = ["BasicBlock", "CIFAR10Classifier", "ResNetBackbone"]
 
 Batch = tuple[Tensor, Tensor]
+
+# optimizer name -> (default peak learning rate, default weight decay)
+_OPTIMIZER_DEFAULTS: dict[str, tuple[float, float]] = {"adamw": (3e-3, 0.05), "sgd": (0.1, 5e-4)}
 
 
 class BasicBlock(nn.Module):
@@ -103,34 +108,42 @@ class ResNetBackbone(nn.Module):
 
 
 class CIFAR10Classifier(LightningModule):
-    """Small ResNet for CIFAR-10, trained with SGD (Nesterov momentum) and a one-cycle learning rate.
+    """Small ResNet for CIFAR-10, trained with AdamW (or SGD with Nesterov momentum) and a one-cycle schedule.
 
     Logs ``train_loss`` (per step), ``train_acc``, ``val_loss``, ``val_acc``, ``test_loss`` and ``test_acc``
     (per epoch). The accuracies are :class:`~torchmetrics.classification.MulticlassAccuracy` metric objects, which
     synchronise their state across processes themselves; the losses are averaged with ``sync_dist=True``.
 
     Args:
-        lr: Peak learning rate of the one-cycle schedule.
+        lr: Peak learning rate of the one-cycle schedule; ``None`` picks the optimizer's default
+            (``3e-3`` for AdamW, ``0.1`` for SGD).
         width: Base channel width of the network (see :class:`ResNetBackbone`).
         dropout: Dropout probability before the linear head.
-        weight_decay: L2 weight decay (not applied to BatchNorm and bias parameters).
+        weight_decay: Weight decay, applied to convolution and linear weights only; ``None`` picks the
+            optimizer's default (``0.05`` for AdamW, ``5e-4`` for SGD).
         num_classes: Number of classes.
-        momentum: SGD momentum (Nesterov).
+        momentum: SGD (Nesterov) momentum, or AdamW's first-moment coefficient ``beta1``.
+        optimizer: ``"adamw"`` (default; learns fastest in the first epochs) or ``"sgd"``.
     """
 
     def __init__(
         self,
-        lr: float = 0.2,
-        width: int = 16,
+        lr: float | None = None,
+        width: int = 32,
         dropout: float = 0.0,
-        weight_decay: float = 5e-4,
+        weight_decay: float | None = None,
         num_classes: int = 10,
         momentum: float = 0.9,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        if optimizer not in _OPTIMIZER_DEFAULTS:
+            raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_DEFAULTS)}, got {optimizer!r}")
         self.save_hyperparameters()
-        self.lr = lr
-        self.weight_decay = weight_decay
+        default_lr, default_weight_decay = _OPTIMIZER_DEFAULTS[optimizer]
+        self.optimizer_name = optimizer
+        self.lr = default_lr if lr is None else lr
+        self.weight_decay = default_weight_decay if weight_decay is None else weight_decay
         self.momentum = momentum
         self.net = ResNetBackbone(width=width, num_classes=num_classes, dropout=dropout)
         self.train_acc = MulticlassAccuracy(num_classes=num_classes)
@@ -194,7 +207,7 @@ class CIFAR10Classifier(LightningModule):
         self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        """Create SGD with Nesterov momentum and a per-step one-cycle learning-rate schedule.
+        """Create the optimizer (AdamW or SGD with Nesterov momentum) and a per-step one-cycle schedule.
 
         Weight decay is applied to convolution and linear weights only, not to BatchNorm parameters or biases.
 
@@ -207,15 +220,15 @@ class CIFAR10Classifier(LightningModule):
             if not param.requires_grad:
                 continue
             (decay if param.ndim > 1 else no_decay).append(param)
-        optimizer = torch.optim.SGD(
-            [
-                {"params": decay, "weight_decay": self.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.lr,
-            momentum=self.momentum,
-            nesterov=self.momentum > 0,
-        )
+        groups: list[dict[str, Any]] = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer: torch.optim.Optimizer
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(self.momentum, 0.999))
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer,

@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--val-samples", type=int, default=1000, help="validation/test subset size (0 or less: all 10,000)"
     )
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--lr", type=float, default=0.2, help="peak learning rate (SGD, one-cycle schedule)")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="peak one-cycle learning rate (default: 3e-3 adamw, 0.1 sgd)"
+    )
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--width", type=int, default=32, help="base channel width of the ResNet")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the classifier head")
     return parser
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         seed=args.seed,
         use_archive=not args.no_archive,
     )
-    model = CIFAR10Classifier(lr=args.lr, width=args.width, dropout=args.dropout)
+    model = CIFAR10Classifier(lr=args.lr, width=args.width, dropout=args.dropout, optimizer=args.optimizer)
 
     ckpt_dir: Path = args.ckpt_dir
     checkpoint = ModelCheckpoint(

@@ -1,14 +1,19 @@
-"""Bit-exact fingerprints of tensors, computed on the tensor's own device.
+"""Bit-exact fingerprints of tensors, computed where the tensor lives.
 
-A fingerprint is two integers in ``[0, 2**31 - 1)`` computed from the raw bits of a tensor: a plain sum and a
-position-weighted sum of its values viewed as integers. Equal tensors (bit for bit, including NaNs and signed
-zeros) always have equal fingerprints; any realistic difference (one changed element, swapped elements)
-changes them. Only the two integers per tensor leave the device, so comparing a model across ranks costs one
-small gather whatever the model's size.
+A fingerprint is two integers computed from the raw bits of a tensor. Equal tensors (bit for bit, including NaNs
+and signed zeros) always have equal fingerprints; any realistic difference (one changed element, swapped
+elements) changes them. Only the two integers per tensor are exchanged, so comparing a model across ranks costs
+one small gather whatever the model's size.
+
+* CPU tensors: a BLAKE2b digest of the tensor's bytes (zero-copy, about 3x faster than integer arithmetic in
+  torch on the CPU, and collision-free in practice).
+* Accelerator tensors: a plain sum and a position-weighted sum of the values viewed as integers, modulo
+  ``2**31 - 1``, computed on the device so that nothing but two integers crosses to the host.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -88,6 +93,15 @@ def _as_integers(tensor: Tensor) -> Tensor:
     return flat.view(torch.uint8)
 
 
+def _host_digest(tensor: Tensor) -> tuple[int, int]:
+    """BLAKE2b of a CPU tensor's bytes, as two 32-bit integers."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    digest = hashlib.blake2b(flat.view(torch.uint8).numpy().data if flat.numel() else b"", digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
 def _digest(tensor: Tensor) -> Tensor:
     """Two int64 values on the tensor's device: ``[sum mod p, position-weighted sum mod p]``."""
     ints = _as_integers(tensor)
@@ -110,24 +124,24 @@ def _digest(tensor: Tensor) -> Tensor:
 
 
 def fingerprint_tensors(tensors: list[tuple[str, str, Tensor]]) -> list[TensorFingerprint]:
-    """Fingerprint named tensors; one device-to-host transfer per device, however many tensors.
+    """Fingerprint named tensors; one device-to-host transfer per accelerator, however many tensors.
 
     Args:
         tensors: ``(name, kind, tensor)`` triples, as yielded by :func:`named_tensors`.
 
     """
-    digests: list[Tensor | None] = []
-    for _, _, tensor in tensors:
-        readable = tensor.layout == torch.strided and tensor.device.type != "meta"
-        digests.append(_digest(tensor) if readable else None)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, d in enumerate(digests):
-        if d is not None:
-            by_device.setdefault(d.device, []).append(i)
     values: dict[int, tuple[int, int]] = {}
-    for indices in by_device.values():
-        stacked = torch.stack([digests[i] for i in indices]).cpu().tolist()  # type: ignore[misc]
-        for i, pair in zip(indices, stacked, strict=True):
+    pending: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for i, (_, _, tensor) in enumerate(tensors):
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            continue  # unreadable: the digest stays None
+        if tensor.device.type == "cpu":
+            values[i] = _host_digest(tensor)
+        else:
+            pending.setdefault(tensor.device, []).append((i, _digest(tensor)))
+    for items in pending.values():  # one device-to-host transfer per device
+        stacked = torch.stack([d for _, d in items]).cpu().tolist()
+        for (i, _), pair in zip(items, stacked, strict=True):
             values[i] = (int(pair[0]), int(pair[1]))
     return [
         TensorFingerprint(name=name, kind=kind, shape=tuple(t.shape), dtype=str(t.dtype), digest=values.get(i))

@@ -26,7 +26,7 @@ from ddp_strategy.errors import DuplicateDeviceError, RankDivergenceError, Setup
 from ddp_strategy.fingerprint import TensorFingerprint, fingerprint_module
 from ddp_strategy.positions import format_ranks
 
-__all__ = ["RankFacts", "check_facts", "collect_facts", "seed_report"]
+__all__ = ["RankFacts", "check_devices", "check_facts", "collect_facts", "seed_report"]
 
 _MAX_LISTED = 5  # differing tensors named in one message
 
@@ -86,9 +86,18 @@ def _device_id(device: torch.device) -> str | None:
 
 
 def collect_facts(
-    *, rank: int, local_rank: int, node_rank: int, world_size: int, device: torch.device, module: nn.Module
+    *,
+    rank: int,
+    local_rank: int,
+    node_rank: int,
+    world_size: int,
+    device: torch.device,
+    module: nn.Module | None,
 ) -> RankFacts:
-    """Describe this rank. Fingerprints are computed on ``device``; only a few integers per tensor leave it."""
+    """Describe this rank. Fingerprints are computed on ``device``; only a few integers per tensor leave it.
+
+    ``module=None`` collects everything but the tensor fingerprints (used for the early device check).
+    """
     return RankFacts(
         rank=rank,
         local_rank=local_rank,
@@ -105,7 +114,7 @@ def collect_facts(
         },
         world_size=world_size,
         seed=os.environ.get("PL_GLOBAL_SEED"),
-        tensors=tuple(fingerprint_module(module)),
+        tensors=tuple(fingerprint_module(module)) if module is not None else (),
     )
 
 
@@ -121,13 +130,14 @@ def check_facts(facts: Sequence[RankFacts]) -> None:
         RankDivergenceError: parameter or buffer values differ between ranks.
 
     """
-    _check_devices(facts)
+    check_devices(facts)
     _check_setup(facts)
     _check_tensor_signatures(facts)
     _check_tensor_values(facts)
 
 
-def _check_devices(facts: Sequence[RankFacts]) -> None:
+def check_devices(facts: Sequence[RankFacts]) -> None:
+    """Raise :class:`DuplicateDeviceError` when two ranks of one host share an accelerator device."""
     owners: dict[tuple[str, str], list[RankFacts]] = {}
     for f in facts:
         if f.device_id is not None:

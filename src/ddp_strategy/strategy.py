@@ -10,12 +10,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from ddp_strategy.control import ControlPlane, to_timedelta
-from ddp_strategy.handshake import check_facts, collect_facts, seed_report
+from ddp_strategy.handshake import RankFacts, check_devices, check_facts, collect_facts, seed_report
 from ddp_strategy.positions import call_site
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
@@ -107,6 +109,18 @@ class SafeDDPStrategy(DDPStrategy):
                 timeout=self.barrier_timeout, heartbeat_interval=self.heartbeat_interval
             )
         self._failed = False
+        if self.handshake_enabled:
+            self._check_devices()
+
+    @override
+    def setup_distributed(self) -> None:
+        # As DDPStrategy.setup_distributed, except that NCCL is initialised lazily (no `device_id`): two ranks on
+        # one GPU then reach the device check on the control plane instead of failing inside NCCL's own init.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -180,19 +194,27 @@ class SafeDDPStrategy(DDPStrategy):
         self._control.barrier(name, site=call_site(skip=2))
 
     # ------------------------------------------------------------------ handshake
-    def _run_handshake(self, stage: str) -> None:
-        if not self.handshake_enabled or self._control is None:
-            return
-        assert self.model is not None  # set by connect() before any stage starts
-        start = time.perf_counter()
-        facts = collect_facts(
+    def _rank_facts(self, with_tensors: bool) -> RankFacts:
+        return collect_facts(
             rank=self.global_rank,
             local_rank=self.local_rank,
             node_rank=self.node_rank,
             world_size=self.world_size,
             device=self.root_device,
-            module=self.model,
+            module=self.model if with_tensors else None,
         )
+
+    def _check_devices(self) -> None:
+        """Early device check, before any data-plane collective can touch a shared GPU."""
+        assert self._control is not None
+        check_devices(self._control.all_gather_object(self._rank_facts(False), name="device-check"))
+
+    def _run_handshake(self, stage: str) -> None:
+        if not self.handshake_enabled or self._control is None:
+            return
+        assert self.model is not None  # set by connect() before any stage starts
+        start = time.perf_counter()
+        facts = self._rank_facts(True)
         gathered = self._control.all_gather_object(facts, name=f"handshake:{stage}", site=call_site(skip=2))
         check_facts(gathered)
         self.last_handshake_seconds = time.perf_counter() - start

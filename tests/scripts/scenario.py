@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="safe_ddp")
     parser.add_argument("--barrier-timeout", type=float, default=60.0)
     parser.add_argument("--max-epochs", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
 
     pl.seed_everything(1234)
@@ -91,8 +92,8 @@ def main() -> None:
     handshake_seconds = []
     for _ in range(runs):
         trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=args.devices,
+            accelerator=args.accelerator,
+            devices=[0, 0] if args.scenario == "duplicate_gpu" else args.devices,
             strategy=make_strategy(),
             max_epochs=args.max_epochs,
             logger=False,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.proc import run_scenario
+from tests.proc import SCRIPTS, run_scenario, run_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,6 +40,25 @@ def test_spawn_launcher_name_works(tmp_path):
     assert run.returncode == 0, run.describe()
     assert "train handshake passed on 2 rank(s)" in run.output
     assert not run.orphans, run.describe()
+
+
+def torchrun(tmp_path, *args: str, timeout: float = 120):
+    out = tmp_path / "torchrun.json"
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "scenario.py")]
+    return run_script([*cmd, *args, "--out", str(out)], timeout=timeout, out=out)
+
+
+def test_torchrun_launch(tmp_path):
+    run = torchrun(tmp_path, "fit_ok")
+    assert run.returncode == 0, run.describe()
+    assert run.result is not None and run.result["world_size"] == 2
+    assert "train handshake passed on 2 rank(s)" in run.output
+    assert not run.orphans, run.describe()
+
+
+def test_torchrun_rank0_only_barrier_fails_whole_job(tmp_path):
+    run = torchrun(tmp_path, "barrier_rank0_only", "--barrier-timeout", "5")
+    assert_clean_failure(run, "CollectiveMismatchError", "rank(s) 1 never arrived")
 
 
 def test_two_fits_and_validate_in_one_process(tmp_path):

@@ -4,10 +4,10 @@ The data module looks for data in this order and records the one it uses in ``CI
 
 1. ``"torchvision"``: the official binary CIFAR-10 (``<data_dir>/cifar-10-batches-py``), or downloaded there
    by :class:`torchvision.datasets.CIFAR10` when ``download=True``.
-2. ``"jpeg-folders"``: the JPEG export with the layout ``train/<class>/*.jpg`` and ``test/<class>/*.jpg``, found
-   directly in ``data_dir``, in ``<data_dir>/cifar10-jpg``, or packed as ``cifar10-jpg.tar.gz`` (in ``data_dir``,
-   or at the default location ``<repo>/../shared/data/cifar10-jpg.tar.gz``). The archive is extracted once into
-   ``<data_dir>/cifar10-jpg`` and the JPEGs are decoded once into uint8 tensor caches
+2. ``"jpeg-folders"``: the JPEG export with the layout ``train/<class>/*.jpg`` and ``test/<class>/*.jpg``,
+   found directly in ``data_dir``, in ``<data_dir>/cifar10-jpg``, or packed as ``cifar10-jpg.tar.gz`` (in
+   ``data_dir``, or at the default location ``<repo>/../shared/data/cifar10-jpg.tar.gz``). The archive is
+   extracted once into ``<data_dir>/cifar10-jpg`` and the JPEGs are decoded once into uint8 tensor caches
    (``<data_dir>/cifar10-jpg-cache-{train,test}.pt``), so that epochs do not pay for JPEG decoding.
 3. ``"synthetic"``: a deterministic, learnable CIFAR-10-shaped stand-in (10 classes of 3x32x32 images made of
    class-specific colour and spatial patterns plus noise), used when no real data is available.
@@ -81,8 +81,8 @@ _FULL_SIZES: Final[dict[str, int]] = {"train": 50_000, "test": 10_000}
 
 Transform = Callable[[Tensor], Tensor]
 
-# Difficulty of the synthetic data set (in units of the prototype's standard deviation): the largest share of a
-# random other class blended into a sample, the per-image colour jitter, and the per-pixel noise.
+# Difficulty of the synthetic data set (in units of the prototype's standard deviation): the largest share
+# of a random other class blended into a sample, the per-image colour jitter, and the per-pixel noise.
 _SYNTHETIC_MAX_MIX: Final[float] = 0.45
 _SYNTHETIC_COLOUR_JITTER: Final[float] = 0.5
 _SYNTHETIC_NOISE: Final[float] = 1.6
@@ -95,11 +95,12 @@ class TensorImageDataset(Dataset[tuple[Tensor, Tensor]]):
         images: uint8 tensor of shape ``(N, 3, H, W)``.
         labels: int64 tensor of shape ``(N,)``.
         transform: Applied to each uint8 image; it must return a float tensor.
+
     """
 
     def __init__(self, images: Tensor, labels: Tensor, transform: Transform) -> None:
         if images.ndim != 4 or images.dtype != torch.uint8:
-            raise ValueError(f"expected a uint8 tensor of shape (N, C, H, W), got {images.dtype} {images.shape}")
+            raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
         if labels.shape != images.shape[:1]:
             raise ValueError(f"{len(labels)} labels do not match {len(images)} images")
         self.images = images
@@ -118,6 +119,7 @@ class TensorImageDataset(Dataset[tuple[Tensor, Tensor]]):
 
         Returns:
             A ``(image, label)`` pair, the image as a float tensor, the label as a 0-d int64 tensor.
+
         """
         return self.transform(self.images[index]), self.labels[index]
 
@@ -125,10 +127,13 @@ class TensorImageDataset(Dataset[tuple[Tensor, Tensor]]):
 def make_synthetic_cifar10(num_samples: int, seed: int, split: str = "train") -> tuple[Tensor, Tensor]:
     """Generate a learnable, CIFAR-10-shaped data set deterministically from ``seed``.
 
-    Every class has a fixed prototype (drawn from ``seed`` alone, so it is shared by the splits): a colour tint and
-    a smooth spatial pattern that is symmetric under horizontal flips. A sample is its class prototype, shifted by up
-    to 4 pixels, scaled by a random contrast, with Gaussian pixel noise. The classes overlap enough that a small
-    network needs a few epochs to separate them. Labels are balanced (``i % 10``) and then shuffled.
+    Every class has a fixed prototype (drawn from ``seed`` alone, so it is shared by the splits): a colour
+    tint and a smooth spatial pattern that is symmetric under horizontal flips (so flip augmentation keeps the
+    class). A sample is its class prototype blended with up to 45 % of a random other class, shifted by up to
+    4 pixels, scaled by a random contrast, with a random colour cast and Gaussian pixel noise. The classes
+    overlap enough that a small network needs a few epochs to separate them (roughly 35 % -> 65 % -> 75 %
+    validation accuracy over three epochs of 5,000 images) instead of solving them in the first epoch. Labels
+    are balanced (``i % 10``) and then shuffled.
 
     Args:
         num_samples: Number of images to generate.
@@ -137,6 +142,7 @@ def make_synthetic_cifar10(num_samples: int, seed: int, split: str = "train") ->
 
     Returns:
         ``(images, labels)``: a uint8 tensor of shape ``(num_samples, 3, 32, 32)`` and an int64 tensor.
+
     """
     if split not in _FULL_SIZES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -158,12 +164,16 @@ def make_synthetic_cifar10(num_samples: int, seed: int, split: str = "train") ->
         stop = min(start + chunk, num_samples)
         n = stop - start
         # The true class dominates, but a random other class is blended in and the colour is jittered.
-        others = (labels[start:stop] + torch.randint(1, num_classes, (n,), generator=sample_gen)) % num_classes
+        offsets = torch.randint(1, num_classes, (n,), generator=sample_gen)
+        others = (labels[start:stop] + offsets) % num_classes
         mix = _SYNTHETIC_MAX_MIX * torch.rand(n, 1, 1, 1, generator=sample_gen)
         base = (1 - mix) * prototypes[labels[start:stop]] + mix * prototypes[others]
         shifts = torch.randint(-4, 5, (n, 2), generator=sample_gen)
         shifted = torch.stack(
-            [torch.roll(img, shifts=(int(dy), int(dx)), dims=(1, 2)) for img, (dy, dx) in zip(base, shifts)]
+            [
+                torch.roll(img, shifts=(int(dy), int(dx)), dims=(1, 2))
+                for img, (dy, dx) in zip(base, shifts, strict=True)
+            ]
         )
         contrast = 0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=sample_gen)
         jitter = _SYNTHETIC_COLOUR_JITTER * torch.randn(n, 3, 1, 1, generator=sample_gen)
@@ -190,9 +200,10 @@ def _is_jpeg_root(path: Path) -> bool:
 def _extract_archive(archive: Path, data_dir: Path) -> Path:
     """Extract ``archive`` once into ``<data_dir>/cifar10-jpg`` and return that folder.
 
-    The archive is unpacked into a private temporary folder inside ``data_dir`` and then moved into place with
-    :func:`os.replace`, so a crashed or concurrent extraction never leaves a half-filled ``cifar10-jpg`` behind.
-    Both archive layouts are accepted: ``train/`` and ``test/`` at the top level, or inside one top-level folder.
+    The archive is unpacked into a private temporary folder inside ``data_dir`` and then moved into place
+    with :func:`os.replace`, so a crashed or concurrent extraction never leaves a half-filled
+    ``cifar10-jpg`` behind. Both archive layouts are accepted: ``train/`` and ``test/`` at the top level, or
+    inside one top-level folder.
     """
     target = data_dir / EXTRACTED_DIR_NAME
     if _is_jpeg_root(target):
@@ -257,7 +268,7 @@ def _decode_split(root: Path, split: str) -> tuple[Tensor, Tensor]:
 
 
 def _atomic_torch_save(obj: object, path: Path) -> None:
-    """Write ``obj`` with :func:`torch.save` to a temporary file next to ``path``, then rename it into place."""
+    """Write ``obj`` with :func:`torch.save` to a temporary file beside ``path``, then rename it there."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -284,12 +295,13 @@ class CIFAR10DataModule(LightningDataModule):
         train_samples: Use only this many training images (a seeded random subset); ``None`` uses all.
         val_samples: Use only this many validation/test images (a seeded random subset); ``None`` uses all.
         seed: Seed for the subsets and for the synthetic data.
-        use_archive: Look for a ``cifar10-jpg.tar.gz`` archive (in ``data_dir``, then ``archive_path`` or the
-            default shared location). Setting the environment variable ``CIFAR10_NO_ARCHIVE=1`` also disables it.
+        use_archive: Look for a ``cifar10-jpg.tar.gz`` archive (in ``data_dir``, then ``archive_path`` or
+            the default shared location). The environment variable ``CIFAR10_NO_ARCHIVE=1`` also disables it.
         archive_path: Archive to use instead of the default ``<repo>/../shared/data/cifar10-jpg.tar.gz``.
 
     Attributes:
         source: ``"torchvision"``, ``"jpeg-folders"`` or ``"synthetic"``.
+
     """
 
     def __init__(
@@ -312,7 +324,8 @@ class CIFAR10DataModule(LightningDataModule):
         self.train_samples = train_samples
         self.val_samples = val_samples
         self.seed = seed
-        self.use_archive = use_archive and os.environ.get(NO_ARCHIVE_ENV, "").lower() not in {"1", "true", "yes"}
+        archive_disabled = os.environ.get(NO_ARCHIVE_ENV, "").strip().lower() in {"1", "true", "yes"}
+        self.use_archive = use_archive and not archive_disabled
         self.archive_path = Path(archive_path).expanduser() if archive_path is not None else DEFAULT_ARCHIVE
         self.source: str = self._detect_source()
 
@@ -390,11 +403,11 @@ class CIFAR10DataModule(LightningDataModule):
         if root is None:
             archive = self._find_archive()
             if archive is None:
-                raise FileNotFoundError(f"no CIFAR-10 JPEG folders or {ARCHIVE_NAME} found for {self.data_dir}")
+                raise FileNotFoundError(f"no CIFAR-10 JPEG folders or {ARCHIVE_NAME} for {self.data_dir}")
             root = _extract_archive(archive, self.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for split in missing:
-            rank_zero_info(f"Decoding the CIFAR-10 JPEG {split} images in {root / split} into a tensor cache ...")
+            rank_zero_info(f"Decoding the CIFAR-10 JPEG images in {root / split} into a tensor cache ...")
             images, labels = _decode_split(root, split)
             payload = {"images": images, "labels": labels, "classes": list(CIFAR10_CLASSES)}
             _atomic_torch_save(payload, self._cache_path(split))
@@ -404,6 +417,7 @@ class CIFAR10DataModule(LightningDataModule):
 
         Args:
             stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
+
         """
         self._announce_source()
         if stage == "fit" and self.train_set is None:
@@ -418,13 +432,13 @@ class CIFAR10DataModule(LightningDataModule):
             return
         self._announced = True
         if self.source == "synthetic":
+            looked_for = f"{_TORCHVISION_DIR}/, train/ + test/ JPEG folders, {EXTRACTED_DIR_NAME}/"
+            looked_for += f", {ARCHIVE_NAME}" if self.use_archive else "; archive lookup disabled"
             rank_zero_warn(
-                f"No CIFAR-10 found at {self.data_dir} (looked for {_TORCHVISION_DIR}/, train/ + test/ JPEG folders, "
-                f"{EXTRACTED_DIR_NAME}/ and {ARCHIVE_NAME}"
-                + ("" if self.use_archive else "; archive lookup disabled")
-                + "); using a SYNTHETIC CIFAR-10-shaped data set (10 classes of 3x32x32 colour/spatial patterns "
-                "plus noise, generated from the seed). Accuracies are NOT comparable to real CIFAR-10. Pass "
-                "--download or provide the data to train on the real thing."
+                f"No CIFAR-10 found at {self.data_dir} (looked for {looked_for}); using a SYNTHETIC "
+                "CIFAR-10-shaped data set (10 classes of 3x32x32 colour/spatial patterns plus noise, "
+                "generated from the seed). Accuracies are NOT comparable to real CIFAR-10: use --download "
+                "or provide the data to train on the real thing."
             )
         else:
             rank_zero_info(f"CIFAR-10 data source: {self.source} ({self.describe_source()})")
@@ -440,8 +454,8 @@ class CIFAR10DataModule(LightningDataModule):
             labels = torch.tensor(dataset.targets, dtype=torch.long)
         else:
             if not self._cache_path(split).is_file():
-                # ``setup`` called without ``prepare_data`` (e.g. outside a Trainer); writes are atomic, so this
-                # is safe even if several processes get here at once.
+                # ``setup`` called without ``prepare_data`` (e.g. outside a Trainer); writes are atomic, so
+                # this is safe even if several processes get here at once.
                 self._prepare_jpeg_caches()
             payload = torch.load(self._cache_path(split), weights_only=True)
             images, labels = payload["images"], payload["labels"]

@@ -31,6 +31,7 @@ class BasicBlock(nn.Module):
         in_channels: Number of input channels.
         out_channels: Number of output channels.
         stride: Stride of the first convolution (2 halves the spatial resolution).
+
     """
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
@@ -56,6 +57,7 @@ class BasicBlock(nn.Module):
 
         Returns:
             Output of shape ``(N, out_channels, H / stride, W / stride)``.
+
         """
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -70,6 +72,7 @@ class ResNetBackbone(nn.Module):
             ``4 * width`` channels at resolutions 32, 16 and 8.
         num_classes: Number of output logits.
         dropout: Dropout probability applied to the pooled features before the head (0 disables it).
+
     """
 
     def __init__(self, width: int = 16, num_classes: int = 10, dropout: float = 0.0) -> None:
@@ -102,17 +105,20 @@ class ResNetBackbone(nn.Module):
 
         Returns:
             Logits of shape ``(N, num_classes)``.
+
         """
-        features = self.pool(self.stages(self.stem(x))).flatten(1)
-        return self.head(self.dropout(features))
+        features: Tensor = self.pool(self.stages(self.stem(x))).flatten(1)
+        logits: Tensor = self.head(self.dropout(features))
+        return logits
 
 
 class CIFAR10Classifier(LightningModule):
     """Small ResNet for CIFAR-10, trained with AdamW (or SGD with Nesterov momentum) and a one-cycle schedule.
 
-    Logs ``train_loss`` (per step), ``train_acc``, ``val_loss``, ``val_acc``, ``test_loss`` and ``test_acc``
-    (per epoch). The accuracies are :class:`~torchmetrics.classification.MulticlassAccuracy` metric objects, which
-    synchronise their state across processes themselves; the losses are averaged with ``sync_dist=True``.
+    Logs ``train_loss`` (per step), ``train_acc``, ``val_loss``, ``val_acc``, ``test_loss`` and
+    ``test_acc`` (per epoch). The accuracies are :class:`~torchmetrics.classification.MulticlassAccuracy`
+    metric objects, which synchronise their state across processes themselves; the losses are averaged with
+    ``sync_dist=True``.
 
     Args:
         lr: Peak learning rate of the one-cycle schedule; ``None`` picks the optimizer's default
@@ -124,6 +130,7 @@ class CIFAR10Classifier(LightningModule):
         num_classes: Number of classes.
         momentum: SGD (Nesterov) momentum, or AdamW's first-moment coefficient ``beta1``.
         optimizer: ``"adamw"`` (default; learns fastest in the first epochs) or ``"sgd"``.
+
     """
 
     def __init__(
@@ -158,8 +165,10 @@ class CIFAR10Classifier(LightningModule):
 
         Returns:
             Logits of shape ``(N, num_classes)``.
+
         """
-        return self.net(x)
+        logits: Tensor = self.net(x)
+        return logits
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Compute and log the training loss and accuracy of one batch.
@@ -170,6 +179,7 @@ class CIFAR10Classifier(LightningModule):
 
         Returns:
             The cross-entropy loss to backpropagate.
+
         """
         images, labels = batch
         logits = self(images)
@@ -185,6 +195,7 @@ class CIFAR10Classifier(LightningModule):
         Args:
             batch: Images and integer labels.
             batch_idx: Index of the batch in the epoch.
+
         """
         self._evaluate(batch, "val")
 
@@ -194,6 +205,7 @@ class CIFAR10Classifier(LightningModule):
         Args:
             batch: Images and integer labels.
             batch_idx: Index of the batch in the epoch.
+
         """
         self._evaluate(batch, "test")
 
@@ -213,6 +225,7 @@ class CIFAR10Classifier(LightningModule):
 
         Returns:
             The optimizer and its step-wise scheduler configuration.
+
         """
         decay: list[nn.Parameter] = []
         no_decay: list[nn.Parameter] = []
@@ -226,7 +239,8 @@ class CIFAR10Classifier(LightningModule):
         ]
         optimizer: torch.optim.Optimizer
         if self.optimizer_name == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0)
+            nesterov = self.momentum > 0
+            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=nesterov)
         else:
             optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(self.momentum, 0.999))
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))

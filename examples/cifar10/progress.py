@@ -12,13 +12,14 @@ __all__ = ["EpochSummary"]
 class EpochSummary(Callback):
     """Print ``epoch {e}: val_acc=... val_loss=...`` after every validation epoch, once per run.
 
-    Only the global-rank-zero process prints, and the sanity-check validation before training is skipped. The
-    values are read from ``trainer.callback_metrics``, which hold the epoch-level, cross-process-reduced metrics
-    logged by the module (``val_acc`` and ``val_loss``).
+    Only the global-rank-zero process prints, and the sanity-check validation before training is skipped.
+    The values are read from ``trainer.callback_metrics``, which hold the epoch-level, cross-process-reduced
+    metrics logged by the module (``val_acc`` and ``val_loss``). Printed values are kept in :attr:`history`.
 
     Args:
-        printer: Function receiving each line (defaults to :func:`print` with flushing, so lines are not held back
-            by output buffering when stdout is a pipe).
+        printer: Function receiving each line (defaults to :func:`print` with flushing, so lines are not
+            held back by output buffering when stdout is a pipe).
+
     """
 
     def __init__(self, printer: Callable[[str], None] | None = None) -> None:

@@ -7,9 +7,9 @@ Run from the repository root, for example::
     python examples/cifar10/train.py --resume             # continue from <ckpt-dir>/last.ckpt
     python examples/cifar10/train.py --no-archive --data-dir /tmp/empty   # force the synthetic data set
 
-Only global rank 0 prints: one ``epoch {e}: val_acc=... val_loss=...`` line per epoch, the data source, and the
-final ``test_acc=...`` of the best checkpoint. :func:`main` returns the final metrics, so tests can call it
-in-process (use ``devices=1`` there: with more devices Lightning re-launches ``sys.argv`` as worker processes).
+Only global rank 0 prints: one ``epoch {e}: val_acc=... val_loss=...`` line per epoch, the data source, and
+the final ``test_acc=...`` of the best checkpoint. :func:`main` returns the final metrics, so tests can call
+it in-process (use ``devices=1`` there: with more devices Lightning re-launches ``sys.argv`` as workers).
 """
 
 from __future__ import annotations
@@ -20,26 +20,30 @@ import time
 import warnings
 from pathlib import Path
 
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(_REPO_ROOT) not in sys.path:  # allow ``python examples/cifar10/train.py`` without installing anything
-    sys.path.insert(0, str(_REPO_ROOT))
 
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+if __name__ == "__main__" and not __package__:
+    # Run as ``python examples/cifar10/train.py``: make the relative imports below resolve to the
+    # ``examples.cifar10`` package of this checkout (PEP 366), without installing anything.
+    if str(_REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(_REPO_ROOT))
+    __package__ = "examples.cifar10"
 
-from examples.cifar10.data import DEFAULT_DATA_DIR, CIFAR10DataModule  # noqa: E402
-from examples.cifar10.model import CIFAR10Classifier  # noqa: E402
-from examples.cifar10.progress import EpochSummary  # noqa: E402
-
-# Importing ddp_strategy registers "safe_ddp" in Lightning's StrategyRegistry.
-# TODO(lead): make import unconditional once src/ddp_strategy exists.
-try:
+try:  # importing ddp_strategy registers "safe_ddp" in Lightning's StrategyRegistry
+    import ddp_strategy
+except ImportError:  # a checkout that was not pip-installed: use its src/ folder
+    if not (_REPO_ROOT / "src" / "ddp_strategy").is_dir():
+        raise
+    sys.path.insert(0, str(_REPO_ROOT / "src"))
     import ddp_strategy  # noqa: F401
 
-    _DDP_STRATEGY_IMPORT_ERROR: ImportError | None = None
-except ImportError as _err:
-    _DDP_STRATEGY_IMPORT_ERROR = _err
+from .data import DEFAULT_DATA_DIR, CIFAR10DataModule  # noqa: E402
+from .model import CIFAR10Classifier  # noqa: E402
+from .progress import EpochSummary  # noqa: E402
 
 __all__ = ["DEFAULT_CKPT_DIR", "build_parser", "main"]
 
@@ -51,35 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     Returns:
         The argument parser.
+
     """
     parser = argparse.ArgumentParser(
         description="Train a small ResNet on CIFAR-10 with the safe_ddp strategy (CPU by default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--devices", type=int, default=2, help="number of processes (CPU) or GPUs")
+    parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs per node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="number of nodes (torchrun, SLURM)")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto, ...")
-    parser.add_argument("--strategy", default="safe_ddp", help="strategy name: safe_ddp, or ddp for comparison")
+    parser.add_argument("--strategy", default="safe_ddp", help="safe_ddp, or ddp for comparison")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="data folder (never in git)")
     parser.add_argument("--ckpt-dir", type=Path, default=DEFAULT_CKPT_DIR, help="checkpoint and log folder")
     parser.add_argument("--resume", action="store_true", help="resume from <ckpt-dir>/last.ckpt if it exists")
-    parser.add_argument("--download", action="store_true", help="download the official CIFAR-10 (torchvision)")
+    parser.add_argument("--download", action="store_true", help="download CIFAR-10 with torchvision")
     parser.add_argument(
         "--no-archive",
         action="store_true",
-        help="do not look for cifar10-jpg.tar.gz (same as CIFAR10_NO_ARCHIVE=1); useful to force synthetic data",
+        help="ignore cifar10-jpg.tar.gz archives (like CIFAR10_NO_ARCHIVE=1), e.g. to force synthetic data",
     )
     parser.add_argument("--batch-size", type=int, default=64, help="batch size per process")
     parser.add_argument("--num-workers", type=int, default=0, help="data loader workers per process")
-    parser.add_argument(
-        "--train-samples", type=int, default=5000, help="training subset size (0 or less: all 50,000)"
-    )
-    parser.add_argument(
-        "--val-samples", type=int, default=1000, help="validation/test subset size (0 or less: all 10,000)"
-    )
+    parser.add_argument("--train-samples", type=int, default=5000, help="train subset (<= 0: all 50,000)")
+    parser.add_argument("--val-samples", type=int, default=1000, help="val/test subset (<= 0: all 10,000)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
-        "--lr", type=float, default=None, help="peak one-cycle learning rate (default: 3e-3 adamw, 0.1 sgd)"
+        "--lr", type=float, default=None, help="peak one-cycle learning rate; unset: 3e-3 (adamw) or 0.1 (sgd)"
     )
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--width", type=int, default=32, help="base channel width of the ResNet")
@@ -106,13 +108,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     Returns:
         Final metrics on every rank: ``val_acc``/``val_loss`` of the last epoch, ``best_val_acc``, and
         ``test_acc``/``test_loss`` of the best (or else the last) checkpoint.
+
     """
     args = build_parser().parse_args(argv)
-    if args.strategy == "safe_ddp" and _DDP_STRATEGY_IMPORT_ERROR is not None:
-        raise SystemExit(
-            f"--strategy safe_ddp needs the ddp_strategy package ({_DDP_STRATEGY_IMPORT_ERROR}); "
-            "install the project (pip install -e .) or use --strategy ddp"
-        )
     # num_workers=0 is deliberate on small CPU machines; Lightning's hint about it is noise here.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
 
@@ -143,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=args.strategy,
         max_epochs=args.max_epochs,
         callbacks=[checkpoint, summary],
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.perf_counter() - start
     results = _metrics_to_floats(dict(trainer.callback_metrics))
-    final = {key: results[key] for key in ("val_acc", "val_loss") if key in results}
+    final: dict[str, float] = {key: results[key] for key in ("val_acc", "val_loss") if key in results}
     if checkpoint.best_model_score is not None:
         final["best_val_acc"] = float(checkpoint.best_model_score)
 
@@ -183,11 +182,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     if trainer.is_global_zero:
         tested = checkpoint.best_model_path or checkpoint.last_model_path or "final weights"
-        print(
-            f"test_acc={final.get('test_acc', float('nan')):.4f} "
-            f"test_loss={final.get('test_loss', float('nan')):.4f} (checkpoint: {tested}; fit took {fit_seconds:.1f}s)",
-            flush=True,
-        )
+        test_acc = final.get("test_acc", float("nan"))
+        test_loss = final.get("test_loss", float("nan"))
+        print(f"test_acc={test_acc:.4f} test_loss={test_loss:.4f} (checkpoint: {tested})", flush=True)
+        print(f"fit took {fit_seconds:.1f}s", flush=True)
     return final
 
 

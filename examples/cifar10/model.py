@@ -7,6 +7,7 @@ for the accuracy to rise visibly within two or three epochs.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,12 +17,44 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["BasicBlock", "CIFAR10Classifier", "ResNetBackbone"]
+__all__ = ["BasicBlock", "CIFAR10Classifier", "ResNetBackbone", "one_cycle_factor"]
 
 Batch = tuple[Tensor, Tensor]
 
 # optimizer name -> (default peak learning rate, default weight decay)
 _OPTIMIZER_DEFAULTS: dict[str, tuple[float, float]] = {"adamw": (3e-3, 0.05), "sgd": (0.1, 5e-4)}
+
+
+def one_cycle_factor(
+    step: int,
+    total_steps: int,
+    pct_start: float = 0.25,
+    div_factor: float = 10.0,
+    final_div_factor: float = 100.0,
+) -> float:
+    """Learning-rate multiplier of a cosine one-cycle schedule (like ``torch.optim.lr_scheduler.OneCycleLR``).
+
+    The multiplier rises from ``1 / div_factor`` to 1 over the first ``pct_start`` of the steps, then falls to
+    ``1 / (div_factor * final_div_factor)`` at ``total_steps``, and stays there afterwards.
+
+    Args:
+        step: Number of optimizer steps taken so far.
+        total_steps: Length of the schedule in optimizer steps.
+        pct_start: Fraction of the steps spent warming up.
+        div_factor: Ratio of the peak to the initial learning rate.
+        final_div_factor: Ratio of the initial to the final learning rate.
+
+    Returns:
+        The factor to multiply the peak learning rate with.
+
+    """
+    start = 1.0 / div_factor
+    end = start / final_div_factor
+    warmup = max(1, round(pct_start * total_steps))
+    if step < warmup:
+        return start + (1.0 - start) * (1.0 - math.cos(math.pi * step / warmup)) / 2.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return end + (1.0 - end) * (1.0 + math.cos(math.pi * progress)) / 2.0
 
 
 class BasicBlock(nn.Module):
@@ -153,9 +186,11 @@ class CIFAR10Classifier(LightningModule):
         self.weight_decay = default_weight_decay if weight_decay is None else weight_decay
         self.momentum = momentum
         self.net = ResNetBackbone(width=width, num_classes=num_classes, dropout=dropout)
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes)
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes)
-        self.test_acc = MulticlassAccuracy(num_classes=num_classes)
+        # average="micro": the fraction of correctly classified images (torchmetrics defaults to "macro",
+        # the mean of the per-class accuracies).
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def forward(self, x: Tensor) -> Tensor:
         """Compute class logits.
@@ -244,14 +279,9 @@ class CIFAR10Classifier(LightningModule):
         else:
             optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(self.momentum, 0.999))
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer,
-            max_lr=self.lr,
-            total_steps=total_steps,
-            pct_start=0.25,
-            anneal_strategy="cos",
-            div_factor=10.0,
-            final_div_factor=100.0,
-            cycle_momentum=False,
+        # A LambdaLR (rather than OneCycleLR) keeps the schedule length out of the checkpoint, so a run
+        # resumed with a larger --max-epochs follows a schedule of the new length instead of failing.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: one_cycle_factor(step, total_steps, pct_start=0.25)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -80,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-samples", type=int, default=5000, help="train subset (<= 0: all 50,000)")
     parser.add_argument("--val-samples", type=int, default=1000, help="val/test subset (<= 0: all 10,000)")
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument(
-        "--lr", type=float, default=None, help="peak one-cycle learning rate; unset: 3e-3 (adamw) or 0.1 (sgd)"
-    )
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate [3e-3 adamw, 0.1 sgd]")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--width", type=int, default=32, help="base channel width of the ResNet")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the classifier head")

@@ -319,8 +319,8 @@ class ControlPlane:
     def _store_lost(self, name: str, site: str, err: Exception) -> CollectiveMismatchError:
         return CollectiveMismatchError(
             f"Rank {self.rank} could not reach the rendezvous store at barrier '{name}' ({site or 'unknown site'}): "
-            f"{err}. The store lives in rank 0's process, so rank 0 has most likely exited or died; look at its "
-            "output for the first error.",
+            f"{err}. The store is hosted by rank 0's process (by the node-0 agent under torchrun), so rank 0 or "
+            "node 0 has most likely exited or died; look at its output for the first error.",
             name=name,
             missing_ranks=[0],
         )

@@ -150,3 +150,29 @@ def test_to_timedelta_rejects_bad_values(value):
 def test_to_timedelta_accepts_seconds_and_timedelta():
     assert to_timedelta(2.5, name="t") == timedelta(seconds=2.5)
     assert to_timedelta(timedelta(minutes=1), name="t") == timedelta(minutes=1)
+
+
+class DeadStore:
+    """A store whose host has gone away: every call fails like a lost TCP connection."""
+
+    def __init__(self) -> None:
+        self.alive = True
+
+    def _call(self, *args, **kwargs):
+        if not self.alive:
+            raise RuntimeError("Connection reset by peer")
+
+    set = get = check = wait = delete_key = _call
+
+
+def test_unreachable_store_is_reported_as_rank0_gone():
+    store = DeadStore()
+    plane = ControlPlane(
+        rank=1, world_size=2, store=store, group=None, timeout=timedelta(seconds=5), heartbeat_interval=0
+    )
+    store.alive = False
+    with pytest.raises(CollectiveMismatchError, match="could not reach the rendezvous store") as info:
+        plane.barrier("after_rank0_died")
+    assert info.value.missing_ranks == (0,)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    plane.close()

@@ -46,6 +46,8 @@ class Store(Protocol):
 
     def get(self, key: str) -> bytes: ...  # noqa: D102
 
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...  # noqa: D102
+
     def check(self, keys: list[str]) -> bool: ...  # noqa: D102
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...  # noqa: D102
@@ -223,7 +225,7 @@ class ControlPlane:
         except Exception as err:
             raise self._store_lost(name, site, err) from err
         self._wait_all(keys, name, site, seq, entered)
-        names = [self._store.get(key).decode() for key in keys]
+        names = [value.decode() for value in self._store.multi_get(keys)]
         self._check_names(name, site, names)
         if seq > 0:  # every rank has passed barrier seq-1 once all arrived at seq: its key can go
             self._store.delete_key(_ARRIVAL_KEY.format(seq=seq - 1, rank=self.rank))

@@ -245,6 +245,28 @@ class ControlPlane:
         dist.all_gather_object(out, obj, group=self._group)
         return out
 
+    def gather_object(self, obj: T, name: str, *, dst: int = 0, site: str | None = None) -> list[T] | None:
+        """Gather one picklable object from every rank onto ``dst`` (others get ``None``), after a barrier."""
+        site = call_site(skip=2) if site is None else site
+        self.barrier(name, site=site)
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
+        dist.gather_object(obj, out, dst=dst, group=self._group)
+        return out
+
+    def broadcast_object(self, obj: T, name: str, *, src: int = 0, site: str | None = None) -> T:
+        """Send ``obj`` from ``src`` to every rank (the value passed elsewhere is ignored), after a barrier."""
+        site = call_site(skip=2) if site is None else site
+        self.barrier(name, site=site)
+        if self.world_size == 1:
+            return obj
+        box: list[Any] = [obj if self.rank == src else None]
+        self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
+        dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]  # type: ignore[no-any-return]
+
     def _wait_all(self, keys: list[str], name: str, site: str, seq: int, entered: float) -> None:
         """Wait for every arrival key; fail early when a missing rank has published a failure."""
         deadline = entered + self.timeout.total_seconds()

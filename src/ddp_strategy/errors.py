@@ -11,11 +11,13 @@ from collections.abc import Sequence
 
 __all__ = [
     "CheckpointIntegrityError",
+    "CheckpointWriteError",
     "CollectiveMismatchError",
     "DDPStrategyError",
     "DuplicateDeviceError",
     "RankDivergenceError",
     "SetupMismatchError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -88,6 +90,32 @@ class CheckpointIntegrityError(DDPStrategyError):
 
     Attributes:
         path: the checkpoint file that failed verification.
+
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsafeCheckpointError(DDPStrategyError):
+    """A checkpoint needs arbitrary unpickling (it could run code) and loading it was not explicitly allowed.
+
+    Attributes:
+        path: the refused checkpoint file.
+
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CheckpointWriteError(DDPStrategyError):
+    """Writing a checkpoint failed; the previous checkpoint at that path is intact.
+
+    Attributes:
+        path: the checkpoint file that could not be written.
 
     """
 

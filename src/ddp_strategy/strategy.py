@@ -8,14 +8,20 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from ddp_strategy.checkpoint import protocol
+from ddp_strategy.checkpoint.io import SafeCheckpointIO
+from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
 from ddp_strategy.handshake import RankFacts, check_devices, check_facts, collect_facts, seed_report
 from ddp_strategy.positions import call_site
@@ -26,6 +32,11 @@ log = logging.getLogger(__name__)
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
 DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
+
+
+def _persistent_workers(dataloader: object) -> bool:
+    """A DataLoader whose worker processes (and iterator) live across epochs: it draws no new seed per epoch."""
+    return bool(getattr(dataloader, "persistent_workers", False)) and getattr(dataloader, "num_workers", 0) > 0
 
 
 class SafeDDPStrategy(DDPStrategy):
@@ -69,6 +80,8 @@ class SafeDDPStrategy(DDPStrategy):
         heartbeat_interval: float = 1.0,
         **kwargs: Any,
     ) -> None:
+        if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
+            kwargs["checkpoint_io"] = SafeCheckpointIO()
         super().__init__(*args, **kwargs)
         self.barrier_timeout = to_timedelta(barrier_timeout, name="barrier_timeout")
         if not isinstance(heartbeat_interval, (int, float)) or heartbeat_interval < 0:
@@ -80,6 +93,7 @@ class SafeDDPStrategy(DDPStrategy):
         self._control: ControlPlane | None = None
         self._handshake_done = False
         self._failed = False
+        self._resumed: dict[str, Any] | None = None  # RNG section of the checkpoint being resumed
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -156,6 +170,8 @@ class SafeDDPStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._control is not None and self.lightning_module is not None:
             self._control.note_step(self.lightning_module.trainer.global_step)
+        if self._resumed is not None:  # resumed mid-epoch: continue the saved RNG stream from this batch on
+            self._restore_rng()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -192,6 +208,70 @@ class SafeDDPStrategy(DDPStrategy):
             super().barrier(name)
             return
         self._control.barrier(name, site=call_site(skip=2))
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Collective save: every rank's RNG state goes into the file rank 0 writes; all ranks learn the outcome.
+
+        Raises:
+            CheckpointWriteError: on every rank when the write failed; the previous checkpoint is intact.
+
+        """
+        if self._control is None:  # outside a run (e.g. after teardown): plain rank-0 save
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+
+        def write(final: dict[str, Any]) -> None:
+            self.checkpoint_io.save_checkpoint(final, filepath, storage_options=storage_options)
+
+        protocol.save(control=self._control, write=write, checkpoint=checkpoint, path=str(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Rank 0 verifies (and for ``last`` falls back), every rank loads the agreed file onto its own device.
+
+        Raises:
+            FileNotFoundError: the checkpoint does not exist.
+            CheckpointIntegrityError: the checkpoint is damaged and no fallback applies.
+            UnsafeCheckpointError: the checkpoint carries pickled objects and ``weights_only=False`` was not given.
+
+        """
+        torch.cuda.empty_cache()
+
+        def read(path: str) -> dict[str, Any]:
+            return self.checkpoint_io.load_checkpoint(path, map_location=self.root_device, weights_only=weights_only)
+
+        if self._control is None:
+            return read(str(checkpoint_path))
+        _, checkpoint = protocol.load(control=self._control, read=read, path=str(checkpoint_path))
+        self._resumed = {
+            PACKAGE_KEY: checkpoint.get(PACKAGE_KEY),
+            "global_step": checkpoint.get("global_step", 0),
+            "mid_epoch": protocol.saved_mid_epoch(checkpoint),
+        }
+        return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Lightning creates the first training iterator of a run before `on_train_epoch_start` sets the sampler
+        # epoch, so a resumed run would shuffle (and, with workers, prefetch) with epoch 0's order. Set the epoch
+        # now, and restore the RNG state right before that iterator draws its seed, as the uninterrupted run did.
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training:
+            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+            if self._resumed is not None and not self._resumed["mid_epoch"] and not _persistent_workers(dataloader):
+                self._restore_rng()  # else: the uninterrupted run drew no seed here; restore at the first batch
+        return dataloader
+
+    def _restore_rng(self) -> None:
+        if self._resumed is None:
+            return
+        warning = protocol.restore_rng(self._resumed, rank=self.global_rank, world_size=self.world_size)
+        self._resumed = None
+        if warning is not None:
+            rank_zero_warn(warning)
 
     # ------------------------------------------------------------------ handshake
     def _rank_facts(self, with_tensors: bool) -> RankFacts:

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -58,12 +59,21 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def loaders(n: int = 64) -> tuple[DataLoader, DataLoader]:
+def loaders(n: int = 64, num_workers: int = 0, persistent: bool = False) -> tuple[DataLoader, DataLoader]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 8, generator=g)
     y = (x[:, 0] > 0).long()
     ds = TensorDataset(x, y)
-    return DataLoader(ds, batch_size=8, shuffle=True), DataLoader(ds, batch_size=8)
+    train = DataLoader(ds, batch_size=8, shuffle=True, num_workers=num_workers, persistent_workers=persistent)
+    return train, DataLoader(ds, batch_size=8)
+
+
+def checkpointing(args: argparse.Namespace) -> ModelCheckpoint:
+    if args.every_n_train_steps:
+        return ModelCheckpoint(
+            dirpath=args.ckpt_dir, every_n_train_steps=args.every_n_train_steps, save_top_k=-1, save_last=True
+        )
+    return ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True)
 
 
 def main() -> None:
@@ -75,6 +85,12 @@ def main() -> None:
     parser.add_argument("--barrier-timeout", type=float, default=60.0)
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
+    parser.add_argument("--every-n-train-steps", type=int, default=0, help="checkpoint every N steps instead")
+    parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. last")
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--persistent-workers", action="store_true")
+    parser.add_argument("--save-weights", help="rank 0 saves the final state_dict here")
     args = parser.parse_args()
 
     pl.seed_everything(1234)
@@ -87,7 +103,7 @@ def main() -> None:
         return args.strategy
 
     model = TinyModel(args.scenario)
-    train, val = loaders()
+    train, val = loaders(num_workers=args.num_workers, persistent=args.persistent_workers)
     runs = 2 if args.scenario == "two_fits" else 1
     handshake_seconds = []
     for _ in range(runs):
@@ -97,14 +113,17 @@ def main() -> None:
             strategy=make_strategy(),
             max_epochs=args.max_epochs,
             logger=False,
-            enable_checkpointing=False,
+            enable_checkpointing=args.ckpt_dir is not None,
+            callbacks=[checkpointing(args)] if args.ckpt_dir else None,
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(model, train, val)
+        trainer.fit(model, train, val, ckpt_path=args.resume)
         if args.scenario == "two_fits":
             trainer.validate(model, val, verbose=False)
         handshake_seconds.append(getattr(trainer.strategy, "last_handshake_seconds", None))
+    if trainer.is_global_zero and args.save_weights:
+        torch.save(model.state_dict(), args.save_weights)
     if trainer.is_global_zero:
         result = {
             "scenario": args.scenario,

@@ -1,0 +1,209 @@
+"""``SafeCheckpointIO``: crash-safe, verified checkpoint files (a Lightning ``CheckpointIO``).
+
+Saving streams ``torch.save`` into a temporary file *in the destination directory* (so the final rename never
+crosses a filesystem), hashing on the way, appends the integrity record, ``fsync``s the file, ``os.replace``s it
+over the destination and ``fsync``s the directory. Until that rename, the previous file at the destination is
+untouched; after it, the new file is complete and durable. Nothing is buffered in RAM beyond ``torch.save``'s own
+chunks. Remote fsspec paths are written to a local temporary file, uploaded, and verified by size and footer.
+
+Loading verifies the integrity record first (:func:`~ddp_strategy.checkpoint.format.verify`), then calls
+``torch.load`` with ``weights_only=True`` unless the caller explicitly passes ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from ddp_strategy.checkpoint.format import FORMAT_VERSION, HashingWriter, IntegrityRecord, verify, write_footer
+from ddp_strategy.checkpoint.keys import WORLD_SIZE_KEY, package_state
+from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
+
+__all__ = ["SafeCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _local_path(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _writer_tag() -> str:
+    from ddp_strategy import __version__
+
+    return f"ddp_strategy {__version__}"
+
+
+def _optional_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class SafeCheckpointIO(CheckpointIO):
+    """Atomic, fsynced, checksummed checkpoint files that ``torch.load`` still reads as usual.
+
+    ``SafeDDPStrategy`` uses it by default; it can also be given to any Lightning strategy with
+    ``Trainer(plugins=[SafeCheckpointIO()])``.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically with its integrity record.
+
+        Raises:
+            CheckpointWriteError: the write failed (disk full, permission denied, file size limit, ...). The
+                previous file at ``path``, if any, is unchanged.
+
+        """
+        path = str(path)
+        try:
+            if _is_local(path):
+                self._save_local(checkpoint, _local_path(path))
+            else:
+                self._save_remote(checkpoint, path, storage_options)
+        except CheckpointWriteError:
+            raise
+        except (OSError, RuntimeError, pickle.PicklingError) as err:
+            raise CheckpointWriteError(
+                f"Saving checkpoint '{path}' failed: {err}. The previous checkpoint at that path (if any) is "
+                "unchanged. Check free space, permissions and file size limits of the checkpoint directory.",
+                path=path,
+            ) from err
+
+    def _record(self, checkpoint: dict[str, Any], writer: HashingWriter) -> IntegrityRecord:
+        ours = package_state(checkpoint)
+        return IntegrityRecord(
+            format_version=FORMAT_VERSION,
+            payload_bytes=writer.bytes_written,
+            checksum=writer.checksum,
+            global_step=_optional_int(checkpoint.get("global_step")),
+            epoch=_optional_int(checkpoint.get("epoch")),
+            world_size=_optional_int(ours.get(WORLD_SIZE_KEY)),
+            writer=_writer_tag(),
+        )
+
+    def _write_stream(self, checkpoint: dict[str, Any], file: Any) -> IntegrityRecord:
+        writer = HashingWriter(file)
+        torch.save(checkpoint, writer)  # type: ignore[arg-type]  # any object with write() works
+        record = self._record(checkpoint, writer)
+        write_footer(file, record)
+        return record
+
+    def _save_local(self, checkpoint: dict[str, Any], path: str) -> None:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as file:
+                self._write_stream(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        _fsync_directory(directory)
+
+    def _save_remote(self, checkpoint: dict[str, Any], path: str, storage_options: Any | None) -> None:
+        fs = get_filesystem(path, **(storage_options or {}))
+        parent = path.rsplit("/", 1)[0]
+        fs.makedirs(parent, exist_ok=True)
+        with tempfile.NamedTemporaryFile(suffix=".ckpt") as local:
+            record = self._write_stream(checkpoint, local)
+            local.flush()
+            fs.put_file(local.name, path)
+            size = int(fs.size(path))
+            local_size = os.path.getsize(local.name)
+        if size != local_size:
+            raise CheckpointWriteError(
+                f"Uploading checkpoint '{path}' left {size} bytes instead of {local_size}.", path=path
+            )
+        if verify(path, storage_options) != record:
+            raise CheckpointWriteError(f"Uploaded checkpoint '{path}' does not verify.", path=path)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable[..., Any] | torch.device | str | dict[str, str] | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Verify, then load a checkpoint.
+
+        Args:
+            path: local path or fsspec URL.
+            map_location: passed to ``torch.load``; ``SafeDDPStrategy`` passes each rank's own device.
+            weights_only: ``None`` or ``True`` loads only tensors and primitive containers; a checkpoint carrying
+                other pickled objects is refused before anything in it runs. Pass ``False`` explicitly to allow
+                arbitrary pickled objects from a checkpoint you trust.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            CheckpointIntegrityError: the file is truncated, altered, a directory, or not a checkpoint.
+            UnsafeCheckpointError: the file needs arbitrary unpickling and ``weights_only`` was not ``False``.
+
+        """
+        path = str(path)
+        record = verify(path)
+        if record is None:
+            log.warning(
+                "ddp_strategy: checkpoint '%s' has no integrity record (it was not written by ddp_strategy), so it "
+                "cannot be verified; loading it as is.",
+                path,
+            )
+        safe = weights_only is not False
+        fs = get_filesystem(path)
+        with fs.open(path, "rb") as file:
+            try:
+                loaded = torch.load(file, map_location=map_location, weights_only=safe)
+            except pickle.UnpicklingError as err:
+                if not safe:
+                    raise CheckpointIntegrityError(
+                        f"Checkpoint '{path}' cannot be unpickled: {err}", path=path
+                    ) from err
+                raise UnsafeCheckpointError(
+                    f"Checkpoint '{path}' contains pickled Python objects that are not plain tensors or containers, "
+                    f"so it was refused and nothing in it was run ({str(err).splitlines()[0]}). If you trust its "
+                    "source, load it with trainer.fit(..., weights_only=False); otherwise keep only tensors and "
+                    "primitives in hyperparameters and callback/module state.",
+                    path=path,
+                ) from err
+            except (RuntimeError, EOFError) as err:
+                raise CheckpointIntegrityError(
+                    f"Checkpoint '{path}' could not be read by torch.load: {err}", path=path
+                ) from err
+        if not isinstance(loaded, dict):
+            raise CheckpointIntegrityError(
+                f"'{path}' holds a {type(loaded).__name__}, not a Lightning checkpoint dict.", path=path
+            )
+        return loaded
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove a checkpoint file if it exists."""
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)

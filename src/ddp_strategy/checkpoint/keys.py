@@ -1,0 +1,20 @@
+"""Names of the entries ``SafeDDPStrategy`` adds to a Lightning checkpoint dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PACKAGE_KEY", "RNG_STATES_KEY", "WORLD_SIZE_KEY", "package_state"]
+
+#: ``checkpoint[PACKAGE_KEY]`` holds everything this package adds; the rest is Lightning's own layout.
+PACKAGE_KEY = "ddp_strategy"
+#: The world size of the run that wrote the checkpoint.
+WORLD_SIZE_KEY = "world_size"
+#: One RNG-state dict per rank, indexed by global rank (see :mod:`ddp_strategy.checkpoint.rng`).
+RNG_STATES_KEY = "rng_states"
+
+
+def package_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The ``ddp_strategy`` section of a checkpoint dict (empty when absent or malformed)."""
+    section = checkpoint.get(PACKAGE_KEY)
+    return section if isinstance(section, dict) else {}

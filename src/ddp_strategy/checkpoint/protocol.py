@@ -1,0 +1,205 @@
+"""The collective save and load protocols: who writes, who checks, and how every rank learns the outcome.
+
+Save (every rank calls :func:`save`):
+
+1. every rank sends its RNG state to the writer (one gather on the control plane);
+2. the writer (global rank 0) adds them to the checkpoint and writes it with the ``CheckpointIO``;
+3. the writer broadcasts the outcome; on failure every rank raises the same :class:`CheckpointWriteError` with
+   the writer's message. Returning from :func:`save` means the file is complete on disk: no rank can read a
+   checkpoint before it exists.
+
+Load (every rank calls :func:`load`): rank 0 verifies the requested file; when it is a ``last`` checkpoint that
+fails verification, rank 0 falls back to the newest valid checkpoint in the same directory, with a warning naming
+the skipped file. Rank 0 broadcasts the decision (a path or an error), and every rank loads that one path onto its
+own device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from ddp_strategy.checkpoint import rng
+from ddp_strategy.checkpoint.format import IntegrityRecord, verify
+from ddp_strategy.checkpoint.keys import PACKAGE_KEY, RNG_STATES_KEY, WORLD_SIZE_KEY
+from ddp_strategy.control import ControlPlane
+from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, DDPStrategyError
+
+__all__ = ["load", "resolve", "save"]
+
+log = logging.getLogger(__name__)
+
+_LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST; "last.ckpt", "last-v1.ckpt"
+
+
+def save(
+    *,
+    control: ControlPlane,
+    write: Callable[[dict[str, Any]], None],
+    checkpoint: dict[str, Any],
+    path: str,
+) -> None:
+    """Collectively save ``checkpoint`` (see the module docstring). Every rank must call it.
+
+    Args:
+        control: the control plane.
+        write: writes the final checkpoint dict on the writer rank (the strategy's ``CheckpointIO``).
+        checkpoint: this rank's checkpoint dict (only the writer's is written).
+        path: destination, for messages.
+
+    Raises:
+        CheckpointWriteError: on every rank, when the writer failed; the previous file is intact.
+
+    """
+    name = os.path.basename(path)
+    states = control.gather_object(rng.capture(), name=f"checkpoint-save:{name}")
+    error: str | None = None
+    if control.rank == 0:
+        section = {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}
+        try:
+            write({**checkpoint, PACKAGE_KEY: section})
+        except DDPStrategyError as err:
+            error = str(err)
+        except Exception as err:  # anything else the CheckpointIO raised: report it to every rank, then re-raise
+            error = f"{type(err).__name__}: {err}"
+            control.broadcast_object(error, name=f"checkpoint-saved:{name}")
+            raise
+    outcome = control.broadcast_object(error, name=f"checkpoint-saved:{name}")
+    if outcome is not None:
+        raise CheckpointWriteError(
+            outcome if control.rank == 0 else f"Rank 0 failed to write checkpoint '{path}': {outcome}", path=path
+        )
+
+
+def _candidates(path: str) -> list[tuple[int, float, str]]:
+    """Other checkpoint files in ``path``'s directory, newest first (by global step, then mtime)."""
+    fs = get_filesystem(path)
+    directory = os.path.dirname(path) or "."
+    found: list[tuple[int, float, str]] = []
+    for entry in fs.ls(directory, detail=True):
+        other = str(entry["name"])
+        base = os.path.basename(other)
+        if entry.get("type") != "file" or not base.endswith(".ckpt") or base.startswith("."):
+            continue
+        if os.path.abspath(other) == os.path.abspath(path):
+            continue
+        try:
+            record = verify(other)
+        except (CheckpointIntegrityError, OSError):
+            continue
+        step = record.global_step if record is not None and record.global_step is not None else -1
+        found.append((step, float(fs.modified(other).timestamp()), other))
+    return sorted(found, reverse=True)
+
+
+def resolve(path: str) -> tuple[str, IntegrityRecord | None]:
+    """Pick the checkpoint to load for ``path`` on this rank (rank 0 calls it).
+
+    A ``last`` checkpoint that fails verification falls back to the newest valid checkpoint in its directory,
+    with a warning naming the skipped file. Any other failing path is an error.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointIntegrityError: ``path`` fails verification and no fallback applies.
+
+    """
+    try:
+        return path, verify(path)
+    except CheckpointIntegrityError as err:
+        if not os.path.basename(path).startswith(_LAST_PREFIX):
+            raise
+        for _, _, other in _candidates(path):
+            log.warning(
+                "ddp_strategy: skipping checkpoint '%s' (%s); resuming from the newest valid checkpoint '%s' instead.",
+                path,
+                err,
+                other,
+            )
+            return other, verify(other)
+        raise CheckpointIntegrityError(
+            f"{err} No other valid checkpoint was found in '{os.path.dirname(path)}' to fall back to.", path=path
+        ) from err
+
+
+def load(
+    *,
+    control: ControlPlane,
+    read: Callable[[str], dict[str, Any]],
+    path: str,
+) -> tuple[str, dict[str, Any]]:
+    """Collectively agree on the checkpoint to load, then load it on every rank. Every rank must call it.
+
+    Args:
+        control: the control plane.
+        read: loads a path on this rank (the strategy's ``CheckpointIO`` with this rank's ``map_location``).
+        path: the requested checkpoint path.
+
+    Returns:
+        The path actually loaded and the loaded checkpoint.
+
+    Raises:
+        FileNotFoundError: the checkpoint does not exist (raised on every rank).
+        CheckpointIntegrityError: the checkpoint is damaged and no fallback applies (raised on every rank).
+
+    """
+    decision: tuple[str, str | None, str] = (path, None, "")
+    if control.rank == 0:
+        try:
+            decision = (resolve(path)[0], None, "")
+        except FileNotFoundError as err:
+            decision = (path, "missing", str(err))
+        except CheckpointIntegrityError as err:
+            decision = (path, "invalid", str(err))
+    chosen, failure, message = control.broadcast_object(decision, name=f"checkpoint-resolve:{os.path.basename(path)}")
+    if failure == "missing":
+        raise FileNotFoundError(
+            f"{message} (checked by rank 0). Pass an existing checkpoint file, or ckpt_path='last' to resume from "
+            "the newest checkpoint of the run's ModelCheckpoint."
+        )
+    if failure == "invalid":
+        raise CheckpointIntegrityError(message, path=path)
+    return chosen, read(chosen)
+
+
+def restore_rng(checkpoint: dict[str, Any], *, rank: int, world_size: int) -> str | None:
+    """Restore this rank's RNG state from a checkpoint.
+
+    Returns:
+        ``None`` when the state was restored exactly, else a warning text (no state saved, or another world size,
+        in which case every rank is reseeded deterministically from the checkpoint's global step and its rank).
+
+    """
+    section = checkpoint.get(PACKAGE_KEY)
+    states = section.get(RNG_STATES_KEY) if isinstance(section, dict) else None
+    saved_world = section.get(WORLD_SIZE_KEY) if isinstance(section, dict) else None
+    if not isinstance(states, list) or not states:
+        return (
+            "The checkpoint holds no per-rank RNG state (it was not written by SafeDDPStrategy); random number "
+            "generators continue from their current state, so the resumed run will not repeat an uninterrupted one."
+        )
+    if saved_world != world_size or len(states) != world_size:
+        step = int(checkpoint.get("global_step", 0))
+        rng.reseed(step, rank)
+        return (
+            f"The checkpoint was written by {saved_world} ranks and is resumed on {world_size}: per-rank RNG states "
+            f"cannot be mapped, so every rank was reseeded deterministically from (global_step={step}, rank). The "
+            "run is reproducible but will not match an uninterrupted run."
+        )
+    rng.restore(states[rank])
+    return None
+
+
+def saved_mid_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether Lightning saved this checkpoint in the middle of a training epoch (a step checkpoint).
+
+    Mirrors ``FitLoop.update_restart_stage``: an epoch that was started but not processed.
+    """
+    try:
+        total = checkpoint["loops"]["fit_loop"]["epoch_progress"]["total"]
+        return bool(total["started"] == total["ready"] and total["processed"] == total["started"] - 1)
+    except (KeyError, TypeError):
+        return False

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import signal
 import sys
 import time
 from typing import Any
@@ -54,6 +56,12 @@ class TinyModel(pl.LightningModule):
             raise ValueError("injected failure on rank 1")
         if self.scenario == "diverge_buffer" and self.trainer.global_rank == 1:
             self.counter += 1
+
+    def on_train_epoch_start(self) -> None:
+        if self.scenario == "fail_write" and self.current_epoch == 1 and self.trainer.global_rank == 0:
+            # the next checkpoint write on rank 0 hits a file size limit (as a full disk would)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -94,10 +94,16 @@ class HashingWriter:
         self._file = file
         self._hash = hashlib.new(CHECKSUM_ALGORITHM)
         self.bytes_written = 0
+        #: The first ``OSError`` the underlying file raised (disk full, file too large, ...), if any.
+        self.error: OSError | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # noqa: D102
         self._hash.update(data)
-        written = self._file.write(data)
+        try:
+            written = self._file.write(data)
+        except OSError as err:  # torch's C++ zip writer replaces this with a vague message: keep the original
+            self.error = err
+            raise
         self.bytes_written += len(data)
         return written if written is not None else len(data)
 

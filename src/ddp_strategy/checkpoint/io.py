@@ -106,7 +106,12 @@ class SafeCheckpointIO(CheckpointIO):
 
     def _write_stream(self, checkpoint: dict[str, Any], file: Any) -> IntegrityRecord:
         writer = HashingWriter(file)
-        torch.save(checkpoint, writer)  # type: ignore[arg-type]  # any object with write() works
+        try:
+            torch.save(checkpoint, writer)  # type: ignore[arg-type]  # any object with write() works
+        except RuntimeError as err:
+            if writer.error is not None:  # report the OS's reason (e.g. "No space left on device")
+                raise writer.error from err
+            raise
         record = self._record(checkpoint, writer)
         write_footer(file, record)
         return record

@@ -19,20 +19,28 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return max((x[k].double() - y[k].double()).abs().max().item() for k in x)
 
 
-def interrupted_vs_uninterrupted(tmp_path: Path, *opts: str) -> float:
-    """Train 4 epochs straight; train 2 epochs, stop, resume from last.ckpt to 4; return the max weight difference."""
+def interrupted_vs_uninterrupted(tmp_path: Path, *opts: str, mid_epoch: bool = False) -> float:
+    """Train 4 epochs straight; train part of it, stop, resume from last.ckpt to the end; return the max weight diff.
+
+    At an epoch boundary the first part runs 2 epochs with a checkpoint per epoch; mid-epoch it stops at step 5 (in
+    the middle of epoch 1 with 2 ranks, or of epoch 2 with 3 ranks) with a checkpoint every 5 steps.
+    """
     full, resumed, ckpt = tmp_path / "full.pt", tmp_path / "resumed.pt", str(tmp_path / "ckpt")
+    cadence = ["--every-n-train-steps", "5"] if mid_epoch else []
+    stop = ["--max-steps", "5", "--max-epochs", "4"] if mid_epoch else ["--max-epochs", "2"]
     runs = [
         run_scenario("fit_ok", tmp_path, "--max-epochs", "4", "--save-weights", str(full), *opts),
-        run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--ckpt-dir", ckpt, *opts),
+        run_scenario("fit_ok", tmp_path, *stop, "--ckpt-dir", ckpt, *cadence, *opts),
         run_scenario(
-            "fit_ok", tmp_path, "--max-epochs", "4", "--ckpt-dir", ckpt, "--resume", "last",
+            "fit_ok", tmp_path, "--max-epochs", "4", "--ckpt-dir", ckpt, *cadence, "--resume", "last",
             "--save-weights", str(resumed), *opts,
         ),
     ]  # fmt: skip
     for run in runs:
         assert run.returncode == 0 and not run.orphans, run.describe()
     assert "Restored all states from the checkpoint" in runs[2].output
+    assert runs[0].result is not None and runs[2].result is not None
+    assert runs[2].result["global_step"] == runs[0].result["global_step"]
     return max_abs_diff(full, resumed)
 
 
@@ -44,6 +52,16 @@ def interrupted_vs_uninterrupted(tmp_path: Path, *opts: str) -> float:
 def test_resume_at_epoch_boundary_is_bit_exact(tmp_path, devices, workers):
     # the model has dropout and the loader shuffles: both depend on the restored per-rank RNG and sampler epoch
     assert interrupted_vs_uninterrupted(tmp_path, "--devices", str(devices), *workers) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("devices", "workers"),
+    [(2, []), (2, ["--num-workers", "2"]), (3, ["--num-workers", "2", "--persistent-workers"])],
+    ids=["2ranks-0workers", "2ranks-2workers", "3ranks-2persistent-workers"],
+)
+def test_resume_mid_epoch_from_step_checkpoint_is_bit_exact(tmp_path, devices, workers):
+    # the resumed epoch skips the batches already trained on, and the RNG continues from the saved step
+    assert interrupted_vs_uninterrupted(tmp_path, "--devices", str(devices), *workers, mid_epoch=True) == 0.0
 
 
 def test_stock_lightning_resume_is_not_exact(tmp_path):

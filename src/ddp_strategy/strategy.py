@@ -25,6 +25,7 @@ from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
 from ddp_strategy.handshake import RankFacts, check_devices, check_facts, collect_facts, seed_report
 from ddp_strategy.positions import call_site
+from ddp_strategy.sampling import skip_consumed_batches
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
@@ -248,7 +249,7 @@ class SafeDDPStrategy(DDPStrategy):
         self._resumed = {
             PACKAGE_KEY: checkpoint.get(PACKAGE_KEY),
             "global_step": checkpoint.get("global_step", 0),
-            "mid_epoch": protocol.saved_mid_epoch(checkpoint),
+            "skip_batches": protocol.batches_done_mid_epoch(checkpoint),
         }
         return checkpoint
 
@@ -259,10 +260,23 @@ class SafeDDPStrategy(DDPStrategy):
         # now, and restore the RNG state right before that iterator draws its seed, as the uninterrupted run did.
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training:
-            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
-            if self._resumed is not None and not self._resumed["mid_epoch"] and not _persistent_workers(dataloader):
-                self._restore_rng()  # else: the uninterrupted run drew no seed here; restore at the first batch
+        if trainer is None or not trainer.training:
+            return dataloader
+        _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+        if self._resumed is None:
+            return dataloader
+        skip = int(self._resumed["skip_batches"])
+        if skip:  # resumed mid-epoch: continue after the batches already trained on; RNG at the first batch
+            resumed = skip_consumed_batches(dataloader, skip)
+            if resumed is None:
+                rank_zero_warn(
+                    f"ddp_strategy: resuming in the middle of an epoch ({skip} batches done), but the training "
+                    f"dataloader ({type(dataloader).__name__}) has no standard BatchSampler to skip them with, so "
+                    "this epoch starts over from its first batch. Checkpoint at epoch ends for exact resumption."
+                )
+            return resumed if resumed is not None else dataloader
+        if not _persistent_workers(dataloader):
+            self._restore_rng()  # else: the uninterrupted run drew no seed here; restore at the first batch
         return dataloader
 
     def _restore_rng(self) -> None:

@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--barrier-timeout", type=float, default=60.0)
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
     parser.add_argument("--every-n-train-steps", type=int, default=0, help="checkpoint every N steps instead")
     parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. last")
@@ -120,6 +121,7 @@ def main() -> None:
             devices=[0, 0] if args.scenario == "duplicate_gpu" else args.devices,
             strategy=make_strategy(),
             max_epochs=args.max_epochs,
+            max_steps=args.max_steps,
             logger=False,
             enable_checkpointing=args.ckpt_dir is not None,
             callbacks=[checkpointing(args)] if args.ckpt_dir else None,

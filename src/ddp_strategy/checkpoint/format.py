@@ -2,11 +2,12 @@
 
 Layout of a file written by :class:`~ddp_strategy.checkpoint.io.SafeCheckpointIO`::
 
-    [ torch.save zip payload: payload_bytes ][ record: JSON, UTF-8 ][ record length: u64 LE ][ MAGIC: 8 bytes ]
+    [ torch.save zip payload ][ record: JSON ][ record length: u64 LE ][ record SHA-256, first 8 bytes ][ MAGIC ]
 
 ``torch.load`` (and so ``LightningModule.load_from_checkpoint``) reads the file unchanged: zip readers find the
 archive's directory from its own end-of-archive record and ignore the few bytes after it. The record holds the
-format version, the payload's byte size and SHA-256, the global step, epoch and world size. A truncated file
+format version, the payload's byte size and SHA-256, the global step, epoch and world size; the trailer carries a
+checksum of the record itself, so neither part can change unnoticed. A truncated file
 loses its footer (or its payload no longer matches the checksum) and fails :func:`verify` with
 :class:`~ddp_strategy.errors.CheckpointIntegrityError`.
 """
@@ -36,7 +37,7 @@ __all__ = [
 MAGIC = b"DDPSCKPT"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "sha256"
-_TRAILER = struct.Struct("<Q8s")  # record length, magic
+_TRAILER = struct.Struct("<Q8s8s")  # record length, first 8 bytes of the record's SHA-256, magic
 _MAX_RECORD_BYTES = 16 * 1024  # keeps the footer far inside the 64 KiB a zip reader scans for its end record
 _READ_CHUNK = 8 * 1024 * 1024
 _EOCD_SIGNATURE = b"PK\x05\x06"  # zip end-of-central-directory record
@@ -119,13 +120,17 @@ class HashingWriter:
         return f"{CHECKSUM_ALGORITHM}:{self._hash.hexdigest()}"
 
 
+def _record_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:8]
+
+
 def write_footer(file: IO[bytes], record: IntegrityRecord) -> None:
     """Append the integrity record and trailer to ``file`` (positioned at the end of the payload)."""
     data = record.to_json()
     if len(data) > _MAX_RECORD_BYTES:
         raise ValueError(f"integrity record too large ({len(data)} bytes)")
     file.write(data)
-    file.write(_TRAILER.pack(len(data), MAGIC))
+    file.write(_TRAILER.pack(len(data), _record_digest(data), MAGIC))
 
 
 def read_record(file: IO[bytes], size: int, *, path: str) -> IntegrityRecord | None:
@@ -141,7 +146,7 @@ def read_record(file: IO[bytes], size: int, *, path: str) -> IntegrityRecord | N
     if size < _TRAILER.size:
         return None
     file.seek(size - _TRAILER.size)
-    length, magic = _TRAILER.unpack(file.read(_TRAILER.size))
+    length, record_digest, magic = _TRAILER.unpack(file.read(_TRAILER.size))
     if magic != MAGIC:
         return None
     if length > _MAX_RECORD_BYTES or length > size - _TRAILER.size:
@@ -151,7 +156,14 @@ def read_record(file: IO[bytes], size: int, *, path: str) -> IntegrityRecord | N
             path=path,
         )
     file.seek(size - _TRAILER.size - length)
-    record = IntegrityRecord.from_json(file.read(length), path=path)
+    data = file.read(length)
+    if _record_digest(data) != record_digest:
+        raise CheckpointIntegrityError(
+            f"Checkpoint '{path}' has an altered integrity record (its own checksum does not match). The file was "
+            "damaged after it was written; use another checkpoint.",
+            path=path,
+        )
+    record = IntegrityRecord.from_json(data, path=path)
     expected = record.payload_bytes + length + _TRAILER.size
     if expected != size:
         raise CheckpointIntegrityError(

@@ -193,13 +193,16 @@ def restore_rng(checkpoint: dict[str, Any], *, rank: int, world_size: int) -> st
     return None
 
 
-def saved_mid_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Whether Lightning saved this checkpoint in the middle of a training epoch (a step checkpoint).
+def batches_done_mid_epoch(checkpoint: dict[str, Any]) -> int:
+    """How many batches of an unfinished training epoch a (step) checkpoint had consumed; 0 at epoch boundaries.
 
-    Mirrors ``FitLoop.update_restart_stage``: an epoch that was started but not processed.
+    Mirrors ``FitLoop.update_restart_stage``: the epoch was started but not processed.
     """
     try:
-        total = checkpoint["loops"]["fit_loop"]["epoch_progress"]["total"]
-        return bool(total["started"] == total["ready"] and total["processed"] == total["started"] - 1)
-    except (KeyError, TypeError):
-        return False
+        loops = checkpoint["loops"]["fit_loop"]
+        total = loops["epoch_progress"]["total"]
+        if not (total["started"] == total["ready"] and total["processed"] == total["started"] - 1):
+            return 0
+        return int(loops["epoch_loop.batch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return 0

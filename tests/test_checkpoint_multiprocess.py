@@ -64,6 +64,10 @@ def test_resume_mid_epoch_from_step_checkpoint_is_bit_exact(tmp_path, devices, w
     assert interrupted_vs_uninterrupted(tmp_path, "--devices", str(devices), *workers, mid_epoch=True) == 0.0
 
 
+def test_resume_with_async_save_is_bit_exact(tmp_path):
+    assert interrupted_vs_uninterrupted(tmp_path, "--async-save") == 0.0
+
+
 def test_stock_lightning_resume_is_not_exact(tmp_path):
     """The measured gap: stock DDPStrategy keeps no RNG state, so the resumed run drifts."""
     assert interrupted_vs_uninterrupted(tmp_path, "--strategy", "ddp") > 0.0
@@ -81,6 +85,17 @@ def test_failed_write_raises_on_every_rank_and_keeps_previous_checkpoint(tmp_pat
         record = verify(str(ckpt / name))
         assert record is not None and record.global_step == 4
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no temp files left
+
+
+def test_failed_async_write_is_reported_on_every_rank_at_the_next_save(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = run_scenario("fail_write", tmp_path, "--max-epochs", "3", "--ckpt-dir", str(ckpt), "--async-save")
+    assert run.returncode != 0 and not run.timed_out and not run.orphans, run.describe()
+    for rank in (0, 1):
+        assert f"[rank{rank}]: ddp_strategy.errors.CheckpointWriteError:" in run.output, run.describe()
+    assert "An earlier asynchronous checkpoint write failed" in run.output and "File too large" in run.output
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert verify(str(ckpt / "last.ckpt")).global_step == 4  # type: ignore[union-attr]
 
 
 def test_truncated_last_checkpoint_falls_back_to_previous_valid_one(tmp_path):

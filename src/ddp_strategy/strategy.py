@@ -20,9 +20,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from ddp_strategy.checkpoint import protocol
+from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
+from ddp_strategy.errors import CheckpointWriteError
 from ddp_strategy.handshake import RankFacts, check_devices, check_facts, collect_facts, seed_report
 from ddp_strategy.positions import call_site
 from ddp_strategy.sampling import skip_consumed_batches
@@ -64,6 +66,9 @@ class SafeDDPStrategy(DDPStrategy):
         handshake: run the start-up handshake. Default: ``True``.
         heartbeat_interval: seconds between the publications of each rank's position to the rendezvous store,
             used to say where a missing rank was. ``0`` disables the background heartbeat thread.
+        async_save: write checkpoints in a background thread on rank 0 after a snapshot to CPU memory; training
+            goes on during the write. At most one write is in flight; its outcome is agreed by all ranks at the
+            next save or at teardown (which waits for it), and old checkpoints are removed only after it succeeded.
         **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
 
     Raises:
@@ -79,6 +84,7 @@ class SafeDDPStrategy(DDPStrategy):
         barrier_timeout: float | timedelta = DEFAULT_BARRIER_TIMEOUT,
         handshake: bool = True,
         heartbeat_interval: float = 1.0,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -95,6 +101,8 @@ class SafeDDPStrategy(DDPStrategy):
         self._handshake_done = False
         self._failed = False
         self._resumed: dict[str, Any] | None = None  # RNG section of the checkpoint being resumed
+        self.async_save = async_save
+        self._writer: AsyncCheckpointWriter | None = None  # rank 0's background writer when async_save
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -184,6 +192,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._finish_async_writes()
         if self._control is not None:
             # After a failure other ranks may never reach a closing barrier: only close collectively on success.
             self._control.close(graceful=not self._failed)
@@ -224,9 +233,41 @@ class SafeDDPStrategy(DDPStrategy):
             return
 
         def write(final: dict[str, Any]) -> None:
-            self.checkpoint_io.save_checkpoint(final, filepath, storage_options=storage_options)
+            if not self.async_save:
+                self.checkpoint_io.save_checkpoint(final, filepath, storage_options=storage_options)
+                return
+            if self._writer is None:
+                self._writer = AsyncCheckpointWriter(self.checkpoint_io)
+            previous = self._writer.submit(final, str(filepath), storage_options)
+            if previous is not None:
+                raise CheckpointWriteError(
+                    f"An earlier asynchronous checkpoint write failed: {previous}", path=str(filepath)
+                )
 
         protocol.save(control=self._control, write=write, checkpoint=checkpoint, path=str(filepath))
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint on rank 0; with ``async_save``, only after the write in flight has succeeded."""
+        if self.is_global_zero and self._writer is not None:
+            self._writer.remove_checkpoint(str(filepath))
+            return
+        super().remove_checkpoint(filepath)
+
+    def _finish_async_writes(self) -> None:
+        """Wait for rank 0's last asynchronous write and make every rank agree on its outcome."""
+        if not self.async_save:
+            return
+        error = self._writer.wait() if self._writer is not None else None
+        self._writer = None
+        if self._control is None or self._failed:
+            if error is not None:
+                rank_zero_warn(f"ddp_strategy: the last asynchronous checkpoint write failed: {error}")
+            return
+        outcome = self._control.broadcast_object(error, name="checkpoint-async-final")
+        if outcome is not None:
+            self._failed = True
+            raise CheckpointWriteError(f"The last asynchronous checkpoint write failed: {outcome}", path="")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -239,6 +280,10 @@ class SafeDDPStrategy(DDPStrategy):
 
         """
         torch.cuda.empty_cache()
+        if self._writer is not None:  # never read a file that is still being written
+            error = self._writer.wait()
+            if error is not None:
+                raise CheckpointWriteError(f"An earlier asynchronous checkpoint write failed: {error}", path="")
 
         def read(path: str) -> dict[str, Any]:
             return self.checkpoint_io.load_checkpoint(path, map_location=self.root_device, weights_only=weights_only)

@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
     parser.add_argument("--every-n-train-steps", type=int, default=0, help="checkpoint every N steps instead")
     parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. last")
@@ -106,7 +107,9 @@ def main() -> None:
 
     def make_strategy() -> Any:
         if args.strategy == "safe_ddp":
-            return SafeDDPStrategy(barrier_timeout=args.barrier_timeout, heartbeat_interval=0.2)
+            return SafeDDPStrategy(
+                barrier_timeout=args.barrier_timeout, heartbeat_interval=0.2, async_save=args.async_save
+            )
         if args.strategy == "safe_ddp_string":
             return "safe_ddp"
         return args.strategy

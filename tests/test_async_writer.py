@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter, snapshot
+from ddp_strategy.checkpoint.format import verify
+from ddp_strategy.checkpoint.io import SafeCheckpointIO
+from ddp_strategy.errors import CheckpointWriteError
+
+
+class GatedIO(SafeCheckpointIO):
+    """Blocks every write until the test opens the gate, to observe what happens while a write is in flight."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.fail = False
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.started.set()
+        assert self.gate.wait(10)
+        if self.fail:
+            raise CheckpointWriteError(f"disk full while writing {path}", path=str(path))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_snapshot_copies_tensors_and_keeps_structure():
+    weights = torch.ones(3)
+    original = {"state_dict": {"w": weights}, "list": [weights, 1], "step": 3}
+    frozen = snapshot(original)
+    weights.add_(1)  # the optimizer keeps training after the snapshot
+    assert torch.equal(frozen["state_dict"]["w"], torch.ones(3))
+    assert frozen["list"][1] == 1 and frozen["step"] == 3
+
+
+def test_write_happens_in_background_and_file_holds_snapshot(tmp_path: Path):
+    io = GatedIO()
+    writer = AsyncCheckpointWriter(io)
+    weights = torch.zeros(4)
+    path = tmp_path / "a.ckpt"
+    assert writer.submit({"state_dict": {"w": weights}, "global_step": 1}, str(path)) is None
+    assert io.started.wait(5) and writer.busy and not path.exists()  # training goes on: submit returned
+    weights.add_(5)
+    io.gate.set()
+    assert writer.wait() is None
+    loaded = SafeCheckpointIO().load_checkpoint(path)
+    assert torch.equal(loaded["state_dict"]["w"], torch.zeros(4))
+    assert verify(str(path)).global_step == 1  # type: ignore[union-attr]
+
+
+def test_removal_is_deferred_until_the_new_write_succeeded(tmp_path: Path):
+    io = GatedIO()
+    writer = AsyncCheckpointWriter(io)
+    old = tmp_path / "old.ckpt"
+    SafeCheckpointIO().save_checkpoint({"x": 1}, old)
+    writer.submit({"x": 2}, str(tmp_path / "new.ckpt"))
+    assert io.started.wait(5)
+    writer.remove_checkpoint(str(old))
+    assert old.exists(), "old checkpoint removed before its replacement was complete"
+    io.gate.set()
+    assert writer.wait() is None
+    assert not old.exists() and (tmp_path / "new.ckpt").exists()
+
+
+def test_failed_write_keeps_old_checkpoint_and_is_reported_once(tmp_path: Path):
+    io = GatedIO()
+    io.fail = True
+    writer = AsyncCheckpointWriter(io)
+    old = tmp_path / "old.ckpt"
+    SafeCheckpointIO().save_checkpoint({"x": 1}, old)
+    writer.submit({"x": 2}, str(tmp_path / "new.ckpt"))
+    writer.remove_checkpoint(str(old))
+    io.gate.set()
+    error = writer.submit({"x": 3}, str(tmp_path / "newer.ckpt"))  # the next save learns of the failure
+    assert error is not None and "disk full" in error
+    assert old.exists() and not (tmp_path / "newer.ckpt").exists()
+    assert writer.wait() is None  # reported once
+
+
+def test_at_most_one_write_in_flight(tmp_path: Path):
+    io = GatedIO()
+    writer = AsyncCheckpointWriter(io)
+    writer.submit({"x": 1}, str(tmp_path / "1.ckpt"))
+    assert io.started.wait(5)
+    second_done = threading.Event()
+
+    def second() -> None:
+        writer.submit({"x": 2}, str(tmp_path / "2.ckpt"))
+        second_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    assert not second_done.wait(0.3), "a second write started while the first was in flight"
+    io.gate.set()
+    thread.join(10)
+    assert second_done.is_set()
+    assert writer.wait() is None
+    assert (tmp_path / "1.ckpt").exists() and (tmp_path / "2.ckpt").exists()

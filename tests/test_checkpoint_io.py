@@ -815,3 +815,24 @@ def test_real_lightning_checkpoints_through_safe_checkpoint_io(tmp_path: Path) -
         assert record is not None, name
         assert record.global_step == step, name
         assert protocol.batches_done_mid_epoch(SafeCheckpointIO().load_checkpoint(path)) == batches, name
+
+
+def test_temporary_files_of_dead_writers_are_removed_but_live_ones_kept(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    host = socket.gethostname()
+    stale = tmp_path / f".last.ckpt.tmp-{host}-{dead_pid}-deadbeef"
+    live = tmp_path / f".last.ckpt.tmp-{host}-{os.getpid()}-cafecafe"
+    other_host = tmp_path / f".last.ckpt.tmp-otherhost-{dead_pid}-00000000"
+    stale_other_name = tmp_path / f".epoch=0-step=3.ckpt.tmp-{host}-{dead_pid}-0badf00d"
+    for p in (stale, live, other_host, stale_other_name):
+        p.write_bytes(b"partial")
+    SafeCheckpointIO().save_checkpoint({"x": torch.ones(2)}, tmp_path / "last.ckpt")
+    assert not stale.exists() and not stale_other_name.exists()
+    assert live.exists() and other_host.exists()
+    assert verify(str(tmp_path / "last.ckpt")) is not None

@@ -116,3 +116,81 @@ def test_missing_checkpoint_path_is_a_clear_error_on_every_rank(tmp_path):
     run = run_scenario("fit_ok", tmp_path, "--resume", str(tmp_path / "nope.ckpt"))
     assert run.returncode != 0 and not run.orphans and not run.timed_out, run.describe()
     assert "does not exist" in run.output
+
+
+def test_resume_on_another_world_size_warns_and_reseeds(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--ckpt-dir", ckpt)
+    assert first.returncode == 0, first.describe()
+    run = run_scenario(
+        "fit_ok", tmp_path, "--devices", "3", "--max-epochs", "3", "--ckpt-dir", ckpt, "--resume", "last"
+    )
+    assert run.returncode == 0, run.describe()
+    assert "written by 2 ranks and is resumed on 3" in run.output
+    assert "reseeded deterministically" in run.output
+
+
+@pytest.mark.slow
+def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tmp_path):
+    """10 trials: SIGKILL the whole job while it checkpoints every step (half at a random moment, half while a write
+    is in progress), with $TMPDIR on another filesystem (/dev/shm) than the checkpoint directory. Every .ckpt left
+    must verify and load, and fit(ckpt_path="last") must resume."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.proc import ROOT, SCRIPTS, _group_alive
+
+    tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if tmpdir is None or os.stat(tmpdir).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp_path")
+    env = {**os.environ, "TMPDIR": tmpdir, "PYTHONPATH": str(ROOT)}
+    env.pop("LOCAL_RANK", None)
+    chooser = random.Random(20261122)
+    size = ["--hidden", "500000", "--keep-latest-only"]  # 5.5M parameters: 22 MB per checkpoint, written every step
+    kills_during_write = 0
+    for trial in range(10):
+        ckpt = tmp_path / f"trial{trial}"
+        cmd = [sys.executable, str(SCRIPTS / "scenario.py"), "fit_ok", "--out", str(tmp_path / "ignored.json")]
+        cmd += ["--max-epochs", "1000", "--every-n-train-steps", "1", "--ckpt-dir", str(ckpt), *size]
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while not (ckpt / "last.ckpt").exists():
+                assert time.monotonic() < deadline and proc.poll() is None, "training never checkpointed"
+                time.sleep(0.05)
+            if trial % 2:  # a random moment
+                time.sleep(chooser.uniform(0.0, 1.5))
+            else:  # the moment a write is in progress: a temporary file exists
+                while not any(e.name.startswith(".") for e in os.scandir(ckpt)):
+                    assert time.monotonic() < deadline and proc.poll() is None, "no write observed"
+                    time.sleep(0.001)
+                time.sleep(chooser.uniform(0.0, 0.02))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            while _group_alive(proc.pid):
+                time.sleep(0.05)
+        leftovers = [p.name for p in ckpt.iterdir() if p.name.startswith(".")]
+        kills_during_write += bool(leftovers)
+        files = sorted(ckpt.glob("*.ckpt"))
+        assert files, "no checkpoint at all"
+        for path in files:  # every visible checkpoint is complete and loads
+            record = verify(str(path))
+            assert record is not None, path
+            assert torch.load(path, weights_only=True)["global_step"] == record.global_step
+        step = verify(str(ckpt / "last.ckpt")).global_step  # type: ignore[union-attr]
+        resumed = run_scenario(
+            "fit_ok", tmp_path, "--max-epochs", "1000", "--max-steps", str(step + 1), "--ckpt-dir", str(ckpt),
+            "--resume", "last", *size,
+        )  # fmt: skip
+        assert resumed.returncode == 0 and not resumed.orphans, resumed.describe()
+        assert resumed.result is not None and resumed.result["global_step"] == step + 1
+        assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".")], "crash debris was not cleaned up"
+    print(f"{kills_during_write} of 10 kills interrupted a checkpoint write (temporary file left behind)")
+    assert kills_during_write >= 3, "the trials did not exercise kills during a write"

@@ -27,10 +27,10 @@ from ddp_strategy import SafeDDPStrategy
 
 
 class TinyModel(pl.LightningModule):
-    def __init__(self, scenario: str = "fit_ok") -> None:
+    def __init__(self, scenario: str = "fit_ok", hidden: int = 16) -> None:
         super().__init__()
         self.scenario = scenario
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 2))
         self.register_buffer("counter", torch.zeros(1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -79,7 +79,10 @@ def loaders(n: int = 64, num_workers: int = 0, persistent: bool = False) -> tupl
 def checkpointing(args: argparse.Namespace) -> ModelCheckpoint:
     if args.every_n_train_steps:
         return ModelCheckpoint(
-            dirpath=args.ckpt_dir, every_n_train_steps=args.every_n_train_steps, save_top_k=-1, save_last=True
+            dirpath=args.ckpt_dir,
+            every_n_train_steps=args.every_n_train_steps,
+            save_top_k=1 if args.keep_latest_only else -1,
+            save_last=True,
         )
     return ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True)
 
@@ -95,6 +98,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--hidden", type=int, default=16, help="hidden width (checkpoint size)")
+    parser.add_argument("--keep-latest-only", action="store_true", help="ModelCheckpoint(save_top_k=1)")
     parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
     parser.add_argument("--every-n-train-steps", type=int, default=0, help="checkpoint every N steps instead")
     parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. last")
@@ -114,7 +119,7 @@ def main() -> None:
             return "safe_ddp"
         return args.strategy
 
-    model = TinyModel(args.scenario)
+    model = TinyModel(args.scenario, hidden=args.hidden)
     train, val = loaders(num_workers=args.num_workers, persistent=args.persistent_workers)
     runs = 2 if args.scenario == "two_fits" else 1
     handshake_seconds = []

@@ -1,0 +1,793 @@
+"""Cost of SafeCheckpointIO's crash-safe save next to torch.save and Lightning's TorchCheckpointIO (CPU, local disk).
+
+Driver:  python bench/checkpoint_save.py [--quick] [--repeats N] [--params-mib N] [--optimizer adam|none]
+                                        [--dir DIR] [--results-dir DIR]
+Worker:  python bench/checkpoint_save.py --memory-worker VARIANT ...  (started by the driver, one fresh process per
+         memory measurement)
+
+What is measured, in one run, all variants interleaved (the order rotates by one variant every round, so no variant
+always runs first after the per-round cache drop), one warm-up round, then N timed rounds; medians with min/max:
+
+1. Sync save time of ``SafeCheckpointIO.save_checkpoint`` (temp file in the same directory, SHA-256 while
+   streaming, integrity footer, fsync, ``os.replace``, directory fsync) against plain ``torch.save(ckpt, path)``
+   (target: ratio <= 1.05), and for fairness against ``torch.save`` + fsync of the file and its directory (the
+   durability ``SafeCheckpointIO`` gives) and Lightning's ``TorchCheckpointIO`` (whole checkpoint in a BytesIO
+   first). Every save writes a new file (files are deleted between samples, untimed); the overwrite of an existing
+   file is measured as two further variants. ``os.sync()`` runs before every sample (untimed) so write-back of the
+   previous sample never lands in the next one; the page cache is dropped once per round when
+   ``/proc/sys/vm/drop_caches`` is writable (followed by an untimed pass of every variant on a tiny checkpoint so
+   code pages are back in memory).
+2. Peak extra memory during one save, as a fraction of the checkpoint's tensor bytes (target <= 0.10 for
+   ``SafeCheckpointIO``), in a fresh process per measurement: build the checkpoint, warm the code path on a tiny
+   checkpoint, ``malloc_trim``, read VmRSS as the baseline, reset the kernel's peak-RSS counter (write ``5`` to
+   ``/proc/self/clear_refs``), save, read VmHWM. Peak minus baseline is the figure (VmHWM cannot miss a short peak;
+   if the reset is refused the script falls back to ``ru_maxrss`` before/after). A 1 ms VmRSS sampler thread runs
+   alongside as a cross-check.
+3. Async save: the time ``AsyncCheckpointWriter.submit`` blocks the caller (wait for the previous write, which has
+   already finished; CPU snapshot of every tensor; thread start) as a fraction of the sync ``SafeCheckpointIO``
+   save time (target <= 0.10). ``.wait()`` is called outside the timed region. The snapshot's extra memory is
+   ~100% of the checkpoint by design (it is a copy, so training can change the live tensors).
+
+Also measured: SHA-256 over the checkpoint's tensor bytes in memory (no I/O), to show what the hashing costs; and
+three EXPERIMENTS (prototypes in this file only, not in src/): hashing each large chunk in a helper thread while
+the same chunk is written to the file, starting the kernel's write-back of each large chunk right away with
+``sync_file_range(SYNC_FILE_RANGE_WRITE)`` so the final fsync has less left to wait for, and both together. They
+write the same format and are checked with ``verify()`` before timing.
+
+``--quick`` (CI smoke): 32 MiB of parameters (96 MiB of tensors with Adam state), 3 rounds, one memory run per
+variant; exits 1 if a gated figure misses its target by more than twice the allowed overhead (sync ratio > 1.10,
+memory fraction > 0.20, async fraction > 0.20). The full mode always exits 0 after writing its results. Both modes
+write checkpoint_save.json and checkpoint_save.md into --results-dir (default bench/results; the JSON says which
+mode).
+
+Reading the figures: this machine is shared, so wall times are bimodal when other tenants wake up. Besides the
+medians, the table gives per-round paired ratios, ratios of the minima (closest to the intrinsic cost), and the
+process CPU time of each call (all threads; kernel write-back threads and fsync waits are not in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import hashlib
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+WIDTH = 2048  # nn.Linear(WIDTH, WIDTH): 4,196,352 parameters, 16.0 MiB in fp32
+MIB = 1 << 20
+BIG_CHUNK = 1 << 20  # experiments: chunks at least this large are hashed in a helper thread / written back early
+SYNC_FILE_RANGE_WRITE = 2
+
+# name -> description; the order is the order of the first round
+TIMED = OrderedDict(
+    [
+        ("torch.save", "torch.save(ckpt, path), new file"),
+        ("torch.save+fsync", "torch.save(ckpt, path), then fsync of the file and of its directory"),
+        ("lightning", "lightning TorchCheckpointIO().save_checkpoint (BytesIO, fsspec transaction)"),
+        ("safe", "SafeCheckpointIO().save_checkpoint, new file"),
+        ("torch.save overwrite", "torch.save over an existing checkpoint file"),
+        ("safe overwrite", "SafeCheckpointIO().save_checkpoint over an existing checkpoint file"),
+        ("async submit", "AsyncCheckpointWriter(SafeCheckpointIO()).submit: time the caller is blocked"),
+        ("sha256 only", "component: hashlib.sha256 over every tensor's bytes in memory, no I/O"),
+        ("EXP overlap-hash", "EXPERIMENT: SafeCheckpointIO, large chunks hashed in a helper thread during the write"),
+        ("EXP early-writeback", "EXPERIMENT: SafeCheckpointIO + sync_file_range(WRITE) after each large chunk"),
+        ("EXP both", "EXPERIMENT: overlap-hash + early-writeback"),
+    ]
+)
+MEMORY = ["torch.save", "lightning", "safe", "async submit", "EXP both"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+def build_checkpoint(params_mib: int, optimizer: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Lightning-layout checkpoint dict of an nn.Sequential of Linear layers (optionally with Adam state)."""
+    import lightning
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    per_layer = WIDTH * WIDTH * 4
+    layers = max(1, round(params_mib * MIB / per_layer))
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(WIDTH, WIDTH))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    model = nn.Sequential(*mods)
+    optimizer_states = []
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model(torch.randn(4, WIDTH)).square().mean().backward()
+        opt.step()  # creates exp_avg and exp_avg_sq (fp32, one each per parameter) and a step counter
+        opt.zero_grad(set_to_none=True)
+        optimizer_states.append(opt.state_dict())
+    checkpoint: dict[str, Any] = {
+        "epoch": 0,
+        "global_step": 1,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": OrderedDict((f"model.{k}", v) for k, v in model.state_dict().items()),
+        "loops": {},
+        "callbacks": {},
+        "optimizer_states": optimizer_states,
+        "lr_schedulers": [],
+        "hyper_parameters": {"width": WIDTH, "layers": layers},
+    }
+    n_params = sum(p.numel() for p in model.parameters())
+    info = {
+        "layers": layers,
+        "params": n_params,
+        "param_bytes": n_params * 4,
+        "optimizer": optimizer,
+        "tensor_bytes": sum(t.nbytes for t in tensors(checkpoint)),
+    }
+    return checkpoint, info
+
+
+def tensors(obj: Any) -> list[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors(v)]
+    return []
+
+
+def tiny_checkpoint() -> dict[str, Any]:
+    import torch
+
+    return {"epoch": 0, "global_step": 1, "state_dict": {"w": torch.zeros(16)}, "optimizer_states": []}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# EXPERIMENT (not in src/): faster variants of SafeCheckpointIO's write path, same file format
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)  # CDLL releases the GIL during calls
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+
+
+def make_experimental_io(*, overlap: bool, writeback: bool) -> Any:
+    """EXPERIMENT: a SafeCheckpointIO whose hashing writer overlaps hashing and/or starts write-back early.
+
+    overlap: a chunk of >= 1 MiB is hashed in a helper thread while this thread writes the same chunk to the file;
+        both only read the chunk, and write() returns only after both finished, so torch's buffer stays valid and
+        the hash sees the chunks in order. hashlib and file writes both release the GIL for large buffers.
+    writeback: after each chunk of >= 1 MiB, flush Python's buffer and call sync_file_range(SYNC_FILE_RANGE_WRITE)
+        on the range written since the last call: the kernel starts writing it to disk now (non-blocking), so the
+        final fsync (still done, unchanged) has less left to wait for. It never weakens durability.
+    """
+    import torch
+
+    from ddp_strategy.checkpoint.format import HashingWriter, write_footer
+    from ddp_strategy.checkpoint.io import SafeCheckpointIO
+
+    class ExperimentalWriter(HashingWriter):
+        def __init__(self, file: Any) -> None:
+            super().__init__(file)
+            self._pool = ThreadPoolExecutor(max_workers=1) if overlap else None
+            self._fd = file.fileno() if writeback and _SYNC_FILE_RANGE is not None else None
+            self._start = file.tell() if self._fd is not None else 0
+            self._synced = 0
+
+        def write(self, data: Any) -> int:
+            size = memoryview(data).nbytes
+            pending = self._pool.submit(self._hash.update, data) if self._pool and size >= BIG_CHUNK else None
+            if pending is None:
+                self._hash.update(data)
+            try:
+                written = self._file.write(data)
+            except OSError as err:
+                self.error = err
+                raise
+            finally:
+                if pending is not None:
+                    pending.result()
+            self.bytes_written += size
+            if self._fd is not None and size >= BIG_CHUNK:
+                self._file.flush()
+                assert _SYNC_FILE_RANGE is not None
+                _SYNC_FILE_RANGE(
+                    self._fd, self._start + self._synced, self.bytes_written - self._synced, SYNC_FILE_RANGE_WRITE
+                )
+                self._synced = self.bytes_written
+            return written if written is not None else size
+
+        def close(self) -> None:
+            if self._pool is not None:
+                self._pool.shutdown()
+
+    class ExperimentalSafeCheckpointIO(SafeCheckpointIO):
+        def _write_stream(self, checkpoint: dict[str, Any], file: Any) -> Any:
+            writer = ExperimentalWriter(file)
+            try:
+                torch.save(checkpoint, writer)  # type: ignore[arg-type]
+            except RuntimeError as err:
+                if writer.error is not None:
+                    raise writer.error from err
+                raise
+            finally:
+                writer.close()
+            record = self._record(checkpoint, writer)
+            write_footer(file, record)
+            return record
+
+    return ExperimentalSafeCheckpointIO()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Variants: each returns a function save(checkpoint, path) -> seconds the caller was blocked
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_variant(name: str) -> Callable[[dict[str, Any], str], float]:
+    import torch
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
+    from ddp_strategy.checkpoint.io import SafeCheckpointIO
+
+    def timed(fn: Callable[[dict[str, Any], str], Any]) -> Callable[[dict[str, Any], str], float]:
+        def run(checkpoint: dict[str, Any], path: str) -> float:
+            start = time.perf_counter()
+            fn(checkpoint, path)
+            return time.perf_counter() - start
+
+        return run
+
+    def save_fsync(checkpoint: dict[str, Any], path: str) -> None:
+        torch.save(checkpoint, path)
+        _fsync_path(path)
+        _fsync_path(os.path.dirname(os.path.abspath(path)))
+
+    def sha_only(checkpoint: dict[str, Any], path: str) -> None:
+        digest = hashlib.sha256()
+        for t in tensors(checkpoint):
+            digest.update(t.numpy())
+        digest.hexdigest()
+
+    if name in ("torch.save", "torch.save overwrite"):
+        return timed(torch.save)
+    if name == "torch.save+fsync":
+        return timed(save_fsync)
+    if name == "lightning":
+        return timed(TorchCheckpointIO().save_checkpoint)
+    if name in ("safe", "safe overwrite"):
+        return timed(SafeCheckpointIO().save_checkpoint)
+    if name == "sha256 only":
+        return timed(sha_only)
+    if name == "EXP overlap-hash":
+        return timed(make_experimental_io(overlap=True, writeback=False).save_checkpoint)
+    if name == "EXP early-writeback":
+        return timed(make_experimental_io(overlap=False, writeback=True).save_checkpoint)
+    if name == "EXP both":
+        return timed(make_experimental_io(overlap=True, writeback=True).save_checkpoint)
+    if name == "async submit":
+        writer = AsyncCheckpointWriter(SafeCheckpointIO())
+
+        def run_async(checkpoint: dict[str, Any], path: str) -> float:
+            writer.wait()  # nothing in flight: the previous sample already waited
+            cpu_start = time.process_time()
+            start = time.perf_counter()
+            error = writer.submit(checkpoint, path)
+            blocked = time.perf_counter() - start
+            run_async.cpu = time.process_time() - cpu_start  # type: ignore[attr-defined]
+            error = error or writer.wait()  # untimed: the background write
+            run_async.total = time.perf_counter() - start  # type: ignore[attr-defined]
+            if error is not None:
+                raise RuntimeError(error)
+            return blocked
+
+        return run_async
+    raise ValueError(name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Machine facts and memory helpers
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+    return int(match.group(1)) if match else -1
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
+def _drop_caches() -> tuple[bool, str]:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as err:
+        return False, f"{type(err).__name__}: {err}"
+    return True, "ok"
+
+
+def _mount_of(path: str) -> dict[str, str]:
+    real = os.path.realpath(path)
+    best = {"mount": "?", "device": "?", "fstype": "?"}
+    with open("/proc/mounts") as f:
+        for line in f:
+            device, mount, fstype = line.split()[:3]
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best["mount"]):
+                best = {"mount": mount, "device": device, "fstype": fstype}
+    if best["mount"] == "?" and real.startswith("/"):
+        best["mount"] = "/"
+    return best
+
+
+def machine_facts(directory: str) -> dict[str, Any]:
+    import lightning
+    import torch
+
+    import ddp_strategy
+
+    cpu = "?"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        cpu = match.group(1).strip() if match else cpu
+    with open("/proc/meminfo") as f:
+        mem_total = int(re.search(r"^MemTotal:\s+(\d+)", f.read(), re.M).group(1)) // 1024  # type: ignore[union-attr]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem_total} MiB RAM",
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "ddp_strategy": ddp_strategy.__version__,
+        "openssl": __import__("ssl").OPENSSL_VERSION,
+        "directory": directory,
+        "filesystem": _mount_of(directory),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory worker (fresh process per measurement)
+
+
+def memory_worker(args: argparse.Namespace) -> None:
+    import torch  # noqa: F401  (import before the baseline)
+
+    checkpoint, info = build_checkpoint(args.params_mib, args.optimizer)
+    variant = args.memory_worker
+    save = make_variant(variant)
+    path = os.path.join(args.dir, f"mem-{os.getpid()}.ckpt")
+    save(tiny_checkpoint(), path)  # warm the code path (imports, first-use allocations)
+    os.remove(path)
+    gc.collect()
+    _malloc_trim()
+    os.sync()
+
+    base_kib = _status_kib("VmRSS")
+    ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm_reset = _status_kib("VmHWM") <= _status_kib("VmRSS") + 1024
+    except OSError:
+        hwm_reset = False
+
+    peak = [base_kib]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _status_kib("VmRSS"))
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    after_submit_kib = None
+    if variant == "async submit":
+        from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
+        from ddp_strategy.checkpoint.io import SafeCheckpointIO
+
+        writer = AsyncCheckpointWriter(SafeCheckpointIO())
+        start = time.perf_counter()
+        writer.submit(checkpoint, path)
+        seconds = time.perf_counter() - start
+        after_submit_kib = _status_kib("VmRSS")  # the snapshot is alive until the background write ends
+        error = writer.wait()
+        if error:
+            raise RuntimeError(error)
+    else:
+        seconds = save(checkpoint, path)
+    stop.set()
+    sampler.join()
+    hwm_kib = _status_kib("VmHWM")
+    ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    file_bytes = os.path.getsize(path)
+    os.remove(path)
+
+    method = "VmHWM after clear_refs reset" if hwm_reset else "ru_maxrss after - before"
+    extra_kib = hwm_kib - base_kib if hwm_reset else ru_after - max(ru_before, base_kib)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "variant": variant,
+                "method": method,
+                "hwm_reset": hwm_reset,
+                "baseline_kib": base_kib,
+                "peak_kib": hwm_kib,
+                "extra_bytes": extra_kib * 1024,
+                "sampler_extra_bytes": (peak[0] - base_kib) * 1024,
+                "ru_maxrss_before_kib": ru_before,
+                "ru_maxrss_after_kib": ru_after,
+                "after_submit_extra_bytes": None if after_submit_kib is None else (after_submit_kib - base_kib) * 1024,
+                "seconds": seconds,
+                "file_bytes": file_bytes,
+                "tensor_bytes": info["tensor_bytes"],
+            }
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
+
+
+def run_timing(args: argparse.Namespace, directory: str) -> dict[str, Any]:
+    import torch
+
+    from ddp_strategy.checkpoint.format import verify
+
+    checkpoint, info = build_checkpoint(args.params_mib, args.optimizer)
+    variants = {name: make_variant(name) for name in TIMED}
+    tiny = tiny_checkpoint()
+
+    # Correctness of the experiments before timing them: same format, verifies, loads back equal.
+    checks = {}
+    for name in ("EXP overlap-hash", "EXP early-writeback", "EXP both"):
+        path = os.path.join(directory, "check.ckpt")
+        variants[name](checkpoint, path)
+        record = verify(path)
+        loaded = torch.load(path, weights_only=True)
+        same = all(torch.equal(a, b) for a, b in zip(tensors(loaded), tensors(checkpoint), strict=True))
+        checks[name] = {"verifies": record is not None, "payload_bytes": record.payload_bytes if record else None}
+        checks[name]["loads_equal"] = same
+        os.remove(path)
+        if record is None or not same:
+            raise SystemExit(f"experiment {name} wrote a file that does not verify or load back equal")
+
+    existing = os.path.join(directory, "existing.ckpt")  # copied into place before each overwrite sample
+    torch.save(checkpoint, existing)
+    names = list(TIMED)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  # process CPU time (all threads) in the timed call
+    async_total: list[float] = []
+    drop_log = []
+    for rnd in range(args.warmup + args.repeats):
+        warm = rnd < args.warmup
+        dropped, why = _drop_caches()
+        drop_log.append(dropped)
+        for name in names:  # untimed pass on a tiny checkpoint: code pages back after the drop
+            path = os.path.join(directory, "tiny.ckpt")
+            variants[name](tiny, path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        for name in order:
+            path = os.path.join(directory, "bench.ckpt")
+            if name.endswith("overwrite"):
+                shutil.copyfile(existing, path)
+            gc.collect()
+            os.sync()
+            cpu_start = time.process_time()
+            seconds = variants[name](checkpoint, path)
+            cpu_seconds = time.process_time() - cpu_start
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            if not warm:
+                samples[name].append(seconds)
+                cpu[name].append(getattr(variants[name], "cpu", cpu_seconds))  # async: submit() only
+                if name == "async submit":
+                    async_total.append(variants[name].total)  # type: ignore[attr-defined]
+        label = "warm-up" if warm else f"round {rnd - args.warmup + 1}/{args.repeats}"
+        print(f"{label}: " + ", ".join(f"{n} {samples[n][-1]:.3f}s" for n in names if not warm), flush=True)
+    os.remove(existing)
+    # paired per-round ratios (same round, so the same background load)
+    paired = {
+        f"safe/{base}": [s / b for s, b in zip(samples["safe"], samples[base], strict=True)]
+        for base in ("torch.save", "torch.save+fsync", "lightning")
+    }
+    paired["async submit/safe"] = [a / s for a, s in zip(samples["async submit"], samples["safe"], strict=True)]
+    return {
+        "checkpoint": info,
+        "experiment_checks": checks,
+        "drop_caches": {"used": all(drop_log), "rounds_dropped": sum(drop_log), "last_message": why},
+        "timing": {name: summarize(v) for name, v in samples.items()},
+        "cpu": {name: summarize(v) for name, v in cpu.items()},
+        "async_background_total": summarize(async_total),
+        "paired_ratios": {k: summarize(v) for k, v in paired.items()},
+    }
+
+
+def run_memory(args: argparse.Namespace, directory: str) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in MEMORY}
+    for rep in range(args.memory_repeats):
+        for name in MEMORY[rep % len(MEMORY) :] + MEMORY[: rep % len(MEMORY)]:
+            out = os.path.join(directory, "mem.json")
+            cmd = [sys.executable, __file__, "--memory-worker", name, "--out", out, "--dir", directory]
+            cmd += ["--params-mib", str(args.params_mib), "--optimizer", args.optimizer]
+            subprocess.run(cmd, check=True, cwd=ROOT, timeout=900)
+            runs[name].append(json.loads(Path(out).read_text()))
+            r = runs[name][-1]
+            print(f"memory {rep + 1}/{args.memory_repeats} {name}: +{r['extra_bytes'] / MIB:.1f} MiB", flush=True)
+    summary = {}
+    for name, rs in runs.items():
+        tb = rs[0]["tensor_bytes"]
+        summary[name] = {
+            "method": rs[0]["method"],
+            "extra_bytes": summarize([r["extra_bytes"] for r in rs]),
+            "fraction": summarize([r["extra_bytes"] / tb for r in rs]),
+            "sampler_fraction": summarize([r["sampler_extra_bytes"] / tb for r in rs]),
+            "runs": rs,
+        }
+        if name == "async submit":
+            summary[name]["after_submit_fraction"] = summarize([r["after_submit_extra_bytes"] / tb for r in rs])
+    return summary
+
+
+def fmt_s(s: dict[str, Any]) -> str:
+    return f"{s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f}"
+
+
+def build_report(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    t = result["timing"]
+    m = result["memory"]
+    med = {k: v["median"] for k, v in t.items()}
+    info = result["checkpoint"]
+    size_mib = info["tensor_bytes"] / MIB
+
+    def ratio(a: str, b: str) -> float:
+        return med[a] / med[b]
+
+    def spread(key: str) -> str:
+        p = result["paired_ratios"][key]
+        a, b = key.split("/")
+        return f"per-round {p['min']:.2f}-{p['max']:.2f}; ratio of minima {t[a]['min'] / t[b]['min']:.2f}"
+
+    gates = [
+        {
+            "figure": "sync save time, SafeCheckpointIO / torch.save (ratio of medians)",
+            "value": ratio("safe", "torch.save"),
+            "detail": f"{med['safe']:.3f} s / {med['torch.save']:.3f} s; {spread('safe/torch.save')}",
+            "target": 1.05,
+            "fail_above": 1.10,
+        },
+        {
+            "figure": "peak extra memory during save, SafeCheckpointIO / checkpoint size",
+            "value": m["safe"]["fraction"]["median"],
+            "detail": f"+{m['safe']['extra_bytes']['median'] / MIB:.1f} MiB of {size_mib:.0f} MiB",
+            "target": 0.10,
+            "fail_above": 0.20,
+        },
+        {
+            "figure": "async: time submit() blocks / sync SafeCheckpointIO save time",
+            "value": ratio("async submit", "safe"),
+            "detail": f"{med['async submit']:.3f} s / {med['safe']:.3f} s; {spread('async submit/safe')}",
+            "target": 0.10,
+            "fail_above": 0.20,
+        },
+    ]
+    for g in gates:
+        g["pass"] = g["value"] <= g["target"]
+        g["quick_gate_fail"] = g["value"] > g["fail_above"]
+    bg = result["async_background_total"]["median"]
+    info_rows = [
+        (
+            "sync, SafeCheckpointIO / (torch.save + fsync file and dir)",
+            f"{ratio('safe', 'torch.save+fsync'):.2f}",
+            f"{med['safe']:.3f} s / {med['torch.save+fsync']:.3f} s; {spread('safe/torch.save+fsync')}",
+        ),
+        (
+            "sync, SafeCheckpointIO / Lightning TorchCheckpointIO",
+            f"{ratio('safe', 'lightning'):.2f}",
+            f"{med['safe']:.3f} s / {med['lightning']:.3f} s; {spread('safe/lightning')}",
+        ),
+        (
+            "overwrite, SafeCheckpointIO / torch.save (existing file)",
+            f"{ratio('safe overwrite', 'torch.save overwrite'):.2f}",
+            f"{med['safe overwrite']:.3f} s / {med['torch.save overwrite']:.3f} s; ratio of minima "
+            f"{t['safe overwrite']['min'] / t['torch.save overwrite']['min']:.2f}",
+        ),
+        (
+            "SHA-256 of the tensor bytes alone (no I/O) / SafeCheckpointIO",
+            f"{ratio('sha256 only', 'safe'):.2f}",
+            f"{med['sha256 only']:.3f} s ({info['tensor_bytes'] / med['sha256 only'] / 1e9:.2f} GB/s)",
+        ),
+    ]
+    for name, label in (("torch.save", "torch.save"), ("lightning", "Lightning TorchCheckpointIO")):
+        info_rows.append(
+            (
+                f"peak extra memory, {label} / checkpoint size",
+                f"{m[name]['fraction']['median']:.3f}",
+                f"+{m[name]['extra_bytes']['median'] / MIB:.1f} MiB",
+            )
+        )
+    info_rows += [
+        (
+            "async: snapshot extra memory when submit() returns / size (~1.0 by design)",
+            f"{m['async submit']['after_submit_fraction']['median']:.3f}",
+            f"peak during snapshot + background write {m['async submit']['fraction']['median']:.3f}",
+        ),
+        ("async: background write, submit to wait() done / sync save", f"{bg / med['safe']:.2f}", f"{bg:.3f} s"),
+    ]
+    for name in ("EXP overlap-hash", "EXP early-writeback", "EXP both"):
+        info_rows.append(
+            (
+                f"EXPERIMENT {name[4:]}: time / torch.save",
+                f"{ratio(name, 'torch.save'):.2f}",
+                f"{med[name]:.3f} s = {ratio(name, 'safe'):.2f} x SafeCheckpointIO (minima: {t[name]['min']:.3f} s = "
+                f"{t[name]['min'] / t['safe']['min']:.2f} x); {ratio(name, 'torch.save+fsync'):.2f} x torch.save+fsync",
+            )
+        )
+    info_rows.append(
+        (
+            "EXPERIMENT both: peak extra memory / size",
+            f"{m['EXP both']['fraction']['median']:.3f}",
+            f"+{m['EXP both']['extra_bytes']['median'] / MIB:.1f} MiB",
+        )
+    )
+
+    lines = ["| figure | value | target | result | detail |", "|---|---|---|---|---|"]
+    for g in gates:
+        verdict = "PASS" if g["pass"] else "MISS"
+        lines.append(f"| {g['figure']} | {g['value']:.3f} | <= {g['target']:.2f} | {verdict} | {g['detail']} |")
+    for figure, value, detail in info_rows:
+        lines.append(f"| {figure} | {value} | (info) | - | {detail} |")
+    lines += [
+        "",
+        "| variant | median (s) | min | max | MB/s (median) | CPU s (median) | what |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, desc in TIMED.items():
+        mbps = info["tensor_bytes"] / t[name]["median"] / 1e6
+        lines.append(f"| {name} | {fmt_s(t[name])} | {mbps:,.0f} | {result['cpu'][name]['median']:.3f} | {desc} |")
+    lines += [
+        "",
+        "| memory variant | peak extra (MiB) median | min | max | fraction of size | 1 ms sampler fraction | method |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in m.items():
+        e = s["extra_bytes"]
+        lines.append(
+            f"| {name} | {e['median'] / MIB:.1f} | {e['min'] / MIB:.1f} | {e['max'] / MIB:.1f} | "
+            f"{s['fraction']['median']:.3f} | {s['sampler_fraction']['median']:.3f} | {s['method']} |"
+        )
+    return "\n".join(lines), gates
+
+
+def driver(args: argparse.Namespace) -> int:
+    wall_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=args.dir) as directory:
+        meta = machine_facts(directory)
+        timing = run_timing(args, directory)
+        gc.collect()
+        _malloc_trim()
+        memory = run_memory(args, directory)
+    meta["loadavg_end"] = os.getloadavg()
+    wall = time.perf_counter() - wall_start
+    info = timing["checkpoint"]
+    result = {
+        "meta": meta,
+        "mode": "quick" if args.quick else "full",
+        "config": {
+            "repeats": args.repeats,
+            "warmup_rounds": args.warmup,
+            "memory_repeats": args.memory_repeats,
+            "params_mib": args.params_mib,
+            "optimizer": args.optimizer,
+        },
+        **timing,
+        "memory": memory,
+        "wall_seconds": wall,
+    }
+    text, gates = build_report(result)
+    result["gates"] = gates
+    failed = [g["figure"] for g in gates if g["quick_gate_fail"]]
+    exit_code = 1 if args.quick and failed else 0
+    result["exit_code"] = exit_code
+    drop = timing["drop_caches"]
+    header = (
+        f"Mode {result['mode']}, measured {meta['date']} on {meta['machine']}, {meta['platform']}; Python "
+        f"{meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy {meta['ddp_strategy']}, "
+        f"{meta['openssl']}.\n\n"
+        f"Checkpoint: {info['layers']} x nn.Linear({WIDTH}, {WIDTH}) = {info['params']:,} parameters "
+        f"({info['param_bytes'] / MIB:.0f} MiB fp32)"
+        + (", plus Adam state (exp_avg, exp_avg_sq)" if info["optimizer"] == "adam" else "")
+        + f": {info['tensor_bytes'] / MIB:.0f} MiB of tensors in a Lightning-layout dict. Files written to "
+        f"{meta['directory']} ({meta['filesystem']['fstype']} on {meta['filesystem']['device']}). "
+        f"{args.warmup} warm-up round(s) + {args.repeats} timed rounds, variants interleaved with a rotating order; "
+        f"os.sync() before every sample; page cache dropped per round: "
+        f"{'yes' if drop['used'] else 'no (' + drop['last_message'] + ')'}. Memory: {args.memory_repeats} fresh "
+        f"process(es) per variant. Load average start {meta['loadavg_start'][0]:.2f}, end "
+        f"{meta['loadavg_end'][0]:.2f}. Wall time of the run {wall:.0f} s.\n\n"
+    )
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "checkpoint_save.json").write_text(json.dumps(result, indent=2, default=str))
+    (results / "checkpoint_save.md").write_text(header + text + "\n")
+    print()
+    print(header + text)
+    if failed:
+        print(f"\nMisses by more than twice the allowed overhead: {'; '.join(failed)}", file=sys.stderr)
+    print(f"\nwall time {wall:.1f} s; exit code {exit_code}", flush=True)
+    return exit_code
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI smoke run: 32 MiB of parameters, 3 rounds")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default 7, quick 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds")
+    parser.add_argument("--memory-repeats", type=int, help="fresh processes per memory variant (default 3, quick 1)")
+    parser.add_argument("--params-mib", type=int, help="MiB of fp32 parameters (default 128, quick 32)")
+    parser.add_argument("--optimizer", choices=["adam", "none"], default="adam", help="include Adam state")
+    parser.add_argument("--dir", help="parent directory of the checkpoint files (default: the system temp dir)")
+    parser.add_argument("--results-dir", default=str(RESULTS), help="where checkpoint_save.{json,md} go")
+    parser.add_argument("--memory-worker", choices=MEMORY, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_worker:
+        memory_worker(args)
+        return
+    args.repeats = args.repeats or (3 if args.quick else 7)
+    args.memory_repeats = args.memory_repeats or (1 if args.quick else 3)
+    args.params_mib = args.params_mib or (32 if args.quick else 128)
+    sys.exit(driver(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -112,6 +112,20 @@ def test_truncated_last_checkpoint_falls_back_to_previous_valid_one(tmp_path):
     assert run.result is not None and run.result["global_step"] == 12
 
 
+def test_stock_lightning_crashes_on_truncated_last_checkpoint(tmp_path):
+    """The measured gap: with stock DDPStrategy the same truncated last.ckpt fails the resumed run on every rank."""
+    ckpt = tmp_path / "ckpt"
+    first = run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--ckpt-dir", str(ckpt), "--strategy", "ddp")
+    assert first.returncode == 0, first.describe()
+    last = ckpt / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    run = run_scenario(
+        "fit_ok", tmp_path, "--max-epochs", "3", "--ckpt-dir", str(ckpt), "--resume", "last", "--strategy", "ddp"
+    )
+    assert run.returncode != 0 and not run.timed_out, run.describe()
+    assert "PytorchStreamReader failed" in run.output or "failed finding central directory" in run.output
+
+
 def test_missing_checkpoint_path_is_a_clear_error_on_every_rank(tmp_path):
     run = run_scenario("fit_ok", tmp_path, "--resume", str(tmp_path / "nope.ckpt"))
     assert run.returncode != 0 and not run.orphans and not run.timed_out, run.describe()

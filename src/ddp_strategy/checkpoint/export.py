@@ -17,13 +17,13 @@ and pickled code is refused; plain ``torch.save(model.state_dict())`` files and 
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ddp_strategy.checkpoint.atomic import atomic_file
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.errors import CheckpointIntegrityError
 
@@ -327,39 +327,20 @@ def _for_safetensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return prepared
 
 
-def _write_safetensors(state: dict[str, torch.Tensor], path: str) -> None:
+def _safetensors_bytes(state: dict[str, torch.Tensor]) -> bytes:
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError as err:
         raise ImportError(f"Writing a .safetensors file needs the safetensors package. {_SAFETENSORS_HINT}") from err
-    save_file(_for_safetensors(state), path, metadata={"format": "pt"})
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return save(_for_safetensors(state), metadata={"format": "pt"})
 
 
 def _write_atomically(state: dict[str, torch.Tensor], out: str) -> None:
-    directory = os.path.dirname(os.path.abspath(out))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_file(out) as file:
         if out.endswith(SAFETENSORS_SUFFIX):
-            _write_safetensors(state, tmp)
+            file.write(_safetensors_bytes(state))
         else:
-            torch.save(state, tmp)
-        with open(tmp, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_directory(directory)
+            torch.save(state, file)
 
 
 def _check_output(path: str, out: str) -> None:

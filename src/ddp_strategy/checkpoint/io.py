@@ -12,13 +12,10 @@ Loading verifies the integrity record first (:func:`~ddp_strategy.checkpoint.for
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
-import socket
 import tempfile
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +25,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from ddp_strategy.checkpoint.atomic import atomic_file
 from ddp_strategy.checkpoint.format import FORMAT_VERSION, HashingWriter, IntegrityRecord, verify, write_footer
 from ddp_strategy.checkpoint.keys import WORLD_SIZE_KEY, package_state
 from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
@@ -43,46 +41,6 @@ def _is_local(path: str) -> bool:
 
 def _local_path(path: str) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_HOST = socket.gethostname().replace(os.sep, "_")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_temporaries(directory: str) -> None:
-    """Delete temporary files of interrupted writes in ``directory`` left by processes of this host that died.
-
-    Names carry host and pid (``.<name>.tmp-<host>-<pid>-<random>``), so a live writer's file, or one of another
-    host sharing the directory, is never touched.
-    """
-    marker = f".tmp-{_HOST}"
-    for entry in os.scandir(directory):
-        if not entry.name.startswith("."):
-            continue
-        head, _, rest = entry.name.rpartition(marker + "-")
-        pid_text = rest.split("-", 1)[0]
-        if not head or not pid_text.isdigit() or _pid_alive(int(pid_text)):
-            continue
-        with contextlib.suppress(FileNotFoundError):  # another process cleaned it up first
-            os.remove(entry.path)
-        log.info("ddp_strategy: removed %s, left by a write that was interrupted", entry.path)
 
 
 def _writer_tag() -> str:
@@ -151,21 +109,8 @@ class SafeCheckpointIO(CheckpointIO):
         return record
 
     def _save_local(self, checkpoint: dict[str, Any], path: str) -> None:
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        _remove_stale_temporaries(directory)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as file:
-                self._write_stream(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        _fsync_directory(directory)
+        with atomic_file(path) as file:
+            self._write_stream(checkpoint, file)
 
     def _save_remote(self, checkpoint: dict[str, Any], path: str, storage_options: Any | None) -> None:
         fs = get_filesystem(path, **(storage_options or {}))

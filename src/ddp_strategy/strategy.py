@@ -33,6 +33,8 @@ __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
 log = logging.getLogger(__name__)
 
+_SAVE_ON = frozenset({"global_zero", "node_zero"})
+
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
 DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
 
@@ -69,6 +71,9 @@ class SafeDDPStrategy(DDPStrategy):
         async_save: write checkpoints in a background thread on rank 0 after a snapshot to CPU memory; training
             goes on during the write. At most one write is in flight; its outcome is agreed by all ranks at the
             next save or at teardown (which waits for it), and old checkpoints are removed only after it succeeded.
+        save_on: ``"global_zero"`` (default): global rank 0 writes the one checkpoint; ranks that cannot see it at
+            load time (a disk other nodes do not share) receive it from rank 0. ``"node_zero"``: local rank 0 of
+            every node writes its own copy, for nodes without a shared filesystem.
         **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
 
     Raises:
@@ -85,6 +90,7 @@ class SafeDDPStrategy(DDPStrategy):
         handshake: bool = True,
         heartbeat_interval: float = 1.0,
         async_save: bool = False,
+        save_on: str = "global_zero",
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -102,6 +108,9 @@ class SafeDDPStrategy(DDPStrategy):
         self._failed = False
         self._resumed: dict[str, Any] | None = None  # RNG section of the checkpoint being resumed
         self.async_save = async_save
+        if save_on not in _SAVE_ON:
+            raise ValueError(f"`save_on` must be one of {sorted(_SAVE_ON)}, got {save_on!r}.")
+        self.save_on = save_on
         self._writer: AsyncCheckpointWriter | None = None  # rank 0's background writer when async_save
 
     # ------------------------------------------------------------------ registration
@@ -132,8 +141,43 @@ class SafeDDPStrategy(DDPStrategy):
                 timeout=self.barrier_timeout, heartbeat_interval=self.heartbeat_interval
             )
         self._failed = False
+        self._agree_on_resume_path()
         if self.handshake_enabled:
             self._check_devices()
+
+    def _agree_on_resume_path(self) -> None:
+        """Make every rank resume from the checkpoint path rank 0 chose.
+
+        Lightning resolves ``ckpt_path="last"`` on every rank separately, before any strategy code runs; a node that
+        does not see rank 0's checkpoint directory resolves nothing and would silently start from scratch while the
+        others resume. Lightning offers no hook between that resolution and the restore, so this wraps the
+        ``resume_start`` of this trainer's checkpoint connector to replace each rank's path with rank 0's.
+        """
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is None or getattr(connector.resume_start, "_ddp_strategy", False):
+            return
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: _PATH | None = None, weights_only: bool | None = None) -> None:
+            control = self._control
+            if control is not None:
+                mine = str(checkpoint_path) if checkpoint_path else None
+                agreed = control.broadcast_object(mine, name="resume-path")
+                if mine != agreed:
+                    log.warning(
+                        "ddp_strategy: rank %d resolved the checkpoint to resume as %r; using rank 0's %r so that "
+                        "every rank resumes from the same one.",
+                        self.global_rank,
+                        mine,
+                        agreed,
+                    )
+                checkpoint_path = agreed
+            original(checkpoint_path, weights_only)
+
+        resume_start._ddp_strategy = True  # type: ignore[attr-defined]
+        connector.resume_start = resume_start
 
     @override
     def setup_distributed(self) -> None:
@@ -244,15 +288,28 @@ class SafeDDPStrategy(DDPStrategy):
                     f"An earlier asynchronous checkpoint write failed: {previous}", path=str(filepath)
                 )
 
-        protocol.save(control=self._control, write=write, checkpoint=checkpoint, path=str(filepath))
+        protocol.save(
+            control=self._control,
+            write=write,
+            checkpoint=checkpoint,
+            path=str(filepath),
+            is_writer=self._is_writer,
+            every_writer_needs_states=self.save_on == "node_zero",
+        )
+
+    @property
+    def _is_writer(self) -> bool:
+        return self.local_rank == 0 if self.save_on == "node_zero" else self.is_global_zero
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove a checkpoint on rank 0; with ``async_save``, only after the write in flight has succeeded."""
-        if self.is_global_zero and self._writer is not None:
-            self._writer.remove_checkpoint(str(filepath))
+        """Remove a checkpoint on each writer; with ``async_save``, only after the write in flight has succeeded."""
+        if not self._is_writer:
             return
-        super().remove_checkpoint(filepath)
+        if self._writer is not None:
+            self._writer.remove_checkpoint(str(filepath))
+        else:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     def _finish_async_writes(self) -> None:
         """Wait for rank 0's last asynchronous write and make every rank agree on its outcome."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -42,36 +43,46 @@ def save(
     write: Callable[[dict[str, Any]], None],
     checkpoint: dict[str, Any],
     path: str,
+    is_writer: bool,
+    every_writer_needs_states: bool = False,
 ) -> None:
     """Collectively save ``checkpoint`` (see the module docstring). Every rank must call it.
 
     Args:
         control: the control plane.
-        write: writes the final checkpoint dict on the writer rank (the strategy's ``CheckpointIO``).
-        checkpoint: this rank's checkpoint dict (only the writer's is written).
+        write: writes the final checkpoint dict on a writer rank (the strategy's ``CheckpointIO``).
+        checkpoint: this rank's checkpoint dict (only the writers' are written).
         path: destination, for messages.
+        is_writer: whether this rank writes a copy (global rank 0, or local rank 0 of each node).
+        every_writer_needs_states: gather the RNG states onto every rank (several writers) instead of rank 0 only.
 
     Raises:
-        CheckpointWriteError: on every rank, when the writer failed; the previous file is intact.
+        CheckpointWriteError: on every rank, when any writer failed; the previous file is intact.
 
     """
     name = os.path.basename(path)
-    states = control.gather_object(rng.capture(), name=f"checkpoint-save:{name}")
+    mine = rng.capture()
+    if every_writer_needs_states:
+        states: list[Any] | None = control.all_gather_object(mine, name=f"checkpoint-save:{name}")
+    else:
+        states = control.gather_object(mine, name=f"checkpoint-save:{name}")
     error: str | None = None
-    if control.rank == 0:
+    if is_writer:
         section = {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}
         try:
             write({**checkpoint, PACKAGE_KEY: section})
         except DDPStrategyError as err:
             error = str(err)
         except Exception as err:  # anything else the CheckpointIO raised: report it to every rank, then re-raise
-            error = f"{type(err).__name__}: {err}"
-            control.broadcast_object(error, name=f"checkpoint-saved:{name}")
+            control.all_gather_object(f"{type(err).__name__}: {err}", name=f"checkpoint-saved:{name}")
             raise
-    outcome = control.broadcast_object(error, name=f"checkpoint-saved:{name}")
-    if outcome is not None:
+    outcomes = control.all_gather_object(error, name=f"checkpoint-saved:{name}")
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if failed:
+        rank, message = failed[0]
         raise CheckpointWriteError(
-            outcome if control.rank == 0 else f"Rank 0 failed to write checkpoint '{path}': {outcome}", path=path
+            message if rank == control.rank else f"Rank {rank} failed to write checkpoint '{path}': {message}",
+            path=path,
         )
 
 
@@ -162,7 +173,36 @@ def load(
         )
     if failure == "invalid":
         raise CheckpointIntegrityError(message, path=path)
-    return chosen, read(chosen)
+    readable = control.all_gather_object(_readable(chosen), name="checkpoint-visible")
+    if all(readable):
+        return chosen, read(chosen)
+    # Some ranks cannot see (or cannot verify) the file: rank 0 sends its bytes to everybody.
+    if control.rank == 0:
+        blind = [rank for rank, ok in enumerate(readable) if not ok]
+        log.warning("ddp_strategy: rank(s) %s cannot read '%s' on their disk; rank 0 sends it to them", blind, chosen)
+        with get_filesystem(chosen).open(chosen, "rb") as file:
+            data: bytes | None = file.read()
+    else:
+        data = None
+    payload = control.broadcast_object(data, name="checkpoint-transfer")
+    if payload is None:
+        raise CheckpointIntegrityError(f"Rank 0 sent no data for checkpoint '{chosen}'.", path=chosen)
+    if readable[control.rank]:
+        return chosen, read(chosen)
+    with tempfile.TemporaryDirectory(prefix="ddp_strategy-") as tmp:
+        local = os.path.join(tmp, os.path.basename(chosen))
+        with open(local, "wb") as file:
+            file.write(payload)
+        return chosen, read(local)
+
+
+def _readable(path: str) -> bool:
+    """Whether this rank sees a complete, valid copy of ``path``."""
+    try:
+        verify(path)
+    except (OSError, CheckpointIntegrityError):
+        return False
+    return True
 
 
 def restore_rng(checkpoint: dict[str, Any], *, rank: int, world_size: int) -> str | None:

@@ -44,6 +44,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/handshake.py
+	$(PY) bench/checkpoint_save.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

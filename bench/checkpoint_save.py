@@ -361,6 +361,42 @@ def _mount_of(path: str) -> dict[str, str]:
     return best
 
 
+# the modules on the measured save path (a change elsewhere in src/ does not change these figures)
+SAVE_PATH_SOURCES = [
+    f"src/ddp_strategy/{name}.py"
+    for name in (
+        "checkpoint/io",
+        "checkpoint/atomic",
+        "checkpoint/format",
+        "checkpoint/async_writer",
+        "checkpoint/keys",
+    )
+] + ["src/ddp_strategy/errors.py"]
+
+
+def src_digest() -> str:
+    """SHA-256 over the save-path source files, to tell whether they changed while the benchmark ran."""
+    digest = hashlib.sha256()
+    for name in SAVE_PATH_SOURCES:
+        file = ROOT / name
+        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.exists() else b"<missing>"))
+    return digest.hexdigest()[:16]
+
+
+def git_facts() -> dict[str, Any]:
+    def git(*cmd: str) -> str:
+        try:
+            run = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+        except OSError:
+            return "?"
+        return run.stdout.strip() if run.returncode == 0 else "?"
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "src_dirty": git("status", "--porcelain", "--", *SAVE_PATH_SOURCES),
+    }
+
+
 def machine_facts(directory: str) -> dict[str, Any]:
     import lightning
     import torch
@@ -385,6 +421,8 @@ def machine_facts(directory: str) -> dict[str, Any]:
         "directory": directory,
         "filesystem": _mount_of(directory),
         "loadavg_start": os.getloadavg(),
+        "git": git_facts(),
+        "src_digest_start": src_digest(),
     }
 
 
@@ -718,6 +756,8 @@ def driver(args: argparse.Namespace) -> int:
         _malloc_trim()
         memory = run_memory(args, directory)
     meta["loadavg_end"] = os.getloadavg()
+    meta["src_digest_end"] = src_digest()
+    src_changed = meta["src_digest_start"] != meta["src_digest_end"]
     wall = time.perf_counter() - wall_start
     info = timing["checkpoint"]
     result = {
@@ -743,7 +783,15 @@ def driver(args: argparse.Namespace) -> int:
     header = (
         f"Mode {result['mode']}, measured {meta['date']} on {meta['machine']}, {meta['platform']}; Python "
         f"{meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy {meta['ddp_strategy']}, "
-        f"{meta['openssl']}.\n\n"
+        f"{meta['openssl']}. Code: commit {meta['git']['commit']}"
+        + (
+            f" with uncommitted changes on the save path ({meta['git']['src_dirty']!r})"
+            if meta["git"]["src_dirty"]
+            else ""
+        )
+        + f", save-path source digest {meta['src_digest_start']}"
+        + (" -- WARNING: save-path sources changed during the run, figures mix versions" if src_changed else "")
+        + ".\n\n"
         f"Checkpoint: {info['layers']} x nn.Linear({WIDTH}, {WIDTH}) = {info['params']:,} parameters "
         f"({info['param_bytes'] / MIB:.0f} MiB fp32)"
         + (", plus Adam state (exp_avg, exp_avg_sq)" if info["optimizer"] == "adam" else "")

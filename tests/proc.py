@@ -58,13 +58,20 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def run_script(args: list[str], *, timeout: float, out: Path | None = None, env: dict[str, str] | None = None) -> Run:
-    """Run ``python args...`` from the repository root with a hard timeout; kill its whole process group."""
+def run_script(
+    args: list[str],
+    *,
+    timeout: float,
+    out: Path | None = None,
+    env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
+) -> Run:
+    """Run ``[prefix...] python args...`` from the repository root with a hard timeout; kill its process group."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, *args],
+        [*(prefix or []), sys.executable, *args],
         cwd=ROOT,
         env=full_env,
         stdout=subprocess.PIPE,

@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--save-on", default="global_zero")
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=16, help="hidden width (checkpoint size)")
     parser.add_argument("--keep-latest-only", action="store_true", help="ModelCheckpoint(save_top_k=1)")
     parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
@@ -113,7 +115,10 @@ def main() -> None:
     def make_strategy() -> Any:
         if args.strategy == "safe_ddp":
             return SafeDDPStrategy(
-                barrier_timeout=args.barrier_timeout, heartbeat_interval=0.2, async_save=args.async_save
+                barrier_timeout=args.barrier_timeout,
+                heartbeat_interval=0.2,
+                async_save=args.async_save,
+                save_on=args.save_on,
             )
         if args.strategy == "safe_ddp_string":
             return "safe_ddp"
@@ -127,6 +132,7 @@ def main() -> None:
         trainer = pl.Trainer(
             accelerator=args.accelerator,
             devices=[0, 0] if args.scenario == "duplicate_gpu" else args.devices,
+            num_nodes=args.num_nodes,
             strategy=make_strategy(),
             max_epochs=args.max_epochs,
             max_steps=args.max_steps,

@@ -67,6 +67,8 @@ def test_two_fits_and_validate_in_one_process(tmp_path):
     assert run.result is not None and len(run.result["handshake_seconds"]) == 2
     assert run.output.count("train handshake passed") == 2
     assert not run.orphans, run.describe()
+    # the default group survives between the fits and is destroyed when each rank's process exits
+    assert run.output.count("at exit: default process group initialized=False") == 2, run.describe()
 
 
 def test_barrier_reached_only_by_rank0_raises_naming_rank1(tmp_path):

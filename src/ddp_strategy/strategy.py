@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from datetime import timedelta
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
@@ -187,7 +188,12 @@ class SafeDDPStrategy(DDPStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
+        created = not dist.is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if created and self._process_group_backend != "nccl":  # Lightning registers this for NCCL itself
+            # The default group outlives teardown (fit, then validate/test, reuse it, as in stock Lightning) and
+            # is destroyed when the process exits.
+            atexit.register(_destroy_dist_connection)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

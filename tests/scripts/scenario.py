@@ -8,6 +8,7 @@ Rank 0 writes a JSON result to --out on success; failures exit non-zero with the
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -109,6 +110,13 @@ def main() -> None:
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--save-weights", help="rank 0 saves the final state_dict here")
     args = parser.parse_args()
+
+    def report_process_group_at_exit() -> None:  # registered first, so it runs after the strategy's own handler
+        import torch.distributed as dist
+
+        print(f"at exit: default process group initialized={dist.is_initialized()}", flush=True)
+
+    atexit.register(report_process_group_at_exit)
 
     pl.seed_everything(1234)
 

@@ -98,6 +98,18 @@ def test_failed_async_write_is_reported_on_every_rank_at_the_next_save(tmp_path)
     assert verify(str(ckpt / "last.ckpt")).global_step == 4  # type: ignore[union-attr]
 
 
+def test_failed_last_async_write_is_reported_on_every_rank_at_teardown(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # without save_last, epoch 1's checkpoint is the run's last write: only teardown can learn that it failed
+    args = ["--max-epochs", "2", "--ckpt-dir", str(ckpt), "--async-save", "--no-save-last"]
+    run = run_scenario("fail_write", tmp_path, *args)
+    assert run.returncode != 0 and not run.timed_out and not run.orphans, run.describe()
+    message = "The last asynchronous checkpoint write of rank 0 failed"
+    for rank in (0, 1):
+        assert f"[rank{rank}]: ddp_strategy.errors.CheckpointWriteError: {message}" in run.output, run.describe()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt"]
+
+
 def test_truncated_last_checkpoint_falls_back_to_previous_valid_one(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--ckpt-dir", str(ckpt))

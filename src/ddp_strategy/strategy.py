@@ -318,19 +318,27 @@ class SafeDDPStrategy(DDPStrategy):
             self.checkpoint_io.remove_checkpoint(filepath)
 
     def _finish_async_writes(self) -> None:
-        """Wait for rank 0's last asynchronous write and make every rank agree on its outcome."""
+        """Wait for the last asynchronous write of every writer and make every rank agree on its outcome."""
         if not self.async_save:
             return
         error = self._writer.wait() if self._writer is not None else None
         self._writer = None
         if self._control is None or self._failed:
             if error is not None:
-                rank_zero_warn(f"ddp_strategy: the last asynchronous checkpoint write failed: {error}")
+                log.warning(
+                    "ddp_strategy: the last asynchronous checkpoint write of rank %d failed: %s",
+                    self.global_rank,
+                    error,
+                )
             return
-        outcome = self._control.broadcast_object(error, name="checkpoint-async-final")
-        if outcome is not None:
+        outcomes = self._control.all_gather_object(error, name="checkpoint-async-final")
+        failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+        if failed:
             self._failed = True
-            raise CheckpointWriteError(f"The last asynchronous checkpoint write failed: {outcome}", path="")
+            rank, message = failed[0]
+            raise CheckpointWriteError(
+                f"The last asynchronous checkpoint write of rank {rank} failed: {message}", path=""
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

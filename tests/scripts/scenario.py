@@ -85,7 +85,7 @@ def checkpointing(args: argparse.Namespace) -> ModelCheckpoint:
             save_top_k=1 if args.keep_latest_only else -1,
             save_last=True,
         )
-    return ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True)
+    return ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=not args.no_save_last)
 
 
 def main() -> None:
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=16, help="hidden width (checkpoint size)")
     parser.add_argument("--keep-latest-only", action="store_true", help="ModelCheckpoint(save_top_k=1)")
+    parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
     parser.add_argument("--every-n-train-steps", type=int, default=0, help="checkpoint every N steps instead")
     parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. last")

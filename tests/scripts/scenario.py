@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_strategy
 from ddp_strategy import SafeDDPStrategy
+from ddp_strategy.callbacks import WeightSyncCheck
 
 
 class TinyModel(pl.LightningModule):
@@ -58,6 +59,11 @@ class TinyModel(pl.LightningModule):
         if self.scenario == "diverge_buffer" and self.trainer.global_rank == 1:
             self.counter += 1
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.scenario == "diverge_mid_training" and self.global_step == 5 and self.trainer.global_rank == 1:
+            with torch.no_grad():
+                self.net[0].weight[0, 0] += 1e-3  # a rank-local edit in the middle of training
+
     def on_train_epoch_start(self) -> None:
         if self.scenario == "fail_write" and self.current_epoch == 1 and self.trainer.global_rank == 0:
             # the next checkpoint write on rank 0 hits a file size limit (as a full disk would)
@@ -75,6 +81,13 @@ def loaders(n: int = 64, num_workers: int = 0, persistent: bool = False) -> tupl
     ds = TensorDataset(x, y)
     train = DataLoader(ds, batch_size=8, shuffle=True, num_workers=num_workers, persistent_workers=persistent)
     return train, DataLoader(ds, batch_size=8)
+
+
+def callbacks(args: argparse.Namespace) -> list[Any]:
+    found: list[Any] = [checkpointing(args)] if args.ckpt_dir else []
+    if args.weight_sync_check:
+        found.append(WeightSyncCheck(every_n_steps=args.weight_sync_check))
+    return found
 
 
 def checkpointing(args: argparse.Namespace) -> ModelCheckpoint:
@@ -104,6 +117,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=16, help="hidden width (checkpoint size)")
     parser.add_argument("--keep-latest-only", action="store_true", help="ModelCheckpoint(save_top_k=1)")
     parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
+    parser.add_argument("--weight-sync-check", type=int, default=0, help="add WeightSyncCheck(every_n_steps=N)")
     parser.add_argument("--ckpt-dir", help="save a checkpoint every epoch (and last.ckpt) here")
     parser.add_argument("--every-n-train-steps", type=int, default=0, help="checkpoint every N steps instead")
     parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. last")
@@ -147,7 +161,7 @@ def main() -> None:
             max_steps=args.max_steps,
             logger=False,
             enable_checkpointing=args.ckpt_dir is not None,
-            callbacks=[checkpointing(args)] if args.ckpt_dir else None,
+            callbacks=callbacks(args),
             enable_progress_bar=False,
             enable_model_summary=False,
         )

@@ -20,6 +20,8 @@ def test_public_names_and_error_hierarchy():
         "CollectiveMismatchError",
         "CheckpointIntegrityError",
         "SetupMismatchError",
+        "CheckpointWriteError",
+        "UnsafeCheckpointError",
     ):
         assert issubclass(getattr(ddp_strategy, name), ddp_strategy.DDPStrategyError)
     assert issubclass(ddp_strategy.DDPStrategyError, RuntimeError)
@@ -59,7 +61,3 @@ def test_picklable_before_setup_for_spawn():
     strategy = pickle.loads(pickle.dumps(SafeDDPStrategy(barrier_timeout=3)))
     assert strategy.barrier_timeout == timedelta(seconds=3)
     assert strategy.control_plane is None
-
-
-def test_barrier_without_process_group_is_a_no_op():
-    SafeDDPStrategy().barrier("nothing to wait for")

@@ -28,8 +28,10 @@ class FakeControl:
 
     def __init__(self, other: nn.Module, check: WeightSyncCheck, trainer: Any) -> None:
         self.other, self.check, self.trainer = other, check, trainer
+        self.calls: list[str] = []
 
     def all_gather_object(self, obj: Any, name: str) -> list[Any]:
+        self.calls.append(name)
         tensors = self.check._tensors(self.trainer, self.other)
         if name.startswith("weight-sync:step"):
             return [obj, [fp.digest for fp in fingerprint_tensors(tensors)]]
@@ -51,6 +53,7 @@ def test_equal_replicas_pass():
     check = WeightSyncCheck(every_n_steps=5)
     trainer, mine = make(check, lambda other: None)
     check.check(trainer, mine)
+    assert trainer.strategy.control_plane.calls == ["weight-sync:step-10"]  # compared, found nothing
 
 
 def test_differing_parameter_is_named_with_rank_and_largest_difference():
@@ -74,7 +77,8 @@ def test_excluded_buffers_are_not_compared_and_warn_mode_warns():
 
     check = WeightSyncCheck(every_n_steps=5, exclude=["bn.running_*"])
     trainer, mine = make(check, edit)
-    check.check(trainer, mine)  # excluded: no error
+    check.check(trainer, mine)  # excluded: no error, although the comparison ran
+    assert trainer.strategy.control_plane.calls == ["weight-sync:step-10"]
 
     warn = WeightSyncCheck(every_n_steps=5, on_mismatch="warn")
     trainer, mine = make(warn, edit)

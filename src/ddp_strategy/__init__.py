@@ -8,23 +8,27 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from ddp_strategy.errors import (
     CheckpointIntegrityError,
+    CheckpointWriteError,
     CollectiveMismatchError,
     DDPStrategyError,
     DuplicateDeviceError,
     RankDivergenceError,
     SetupMismatchError,
+    UnsafeCheckpointError,
 )
 from ddp_strategy.strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
 
 __all__ = [
     "DEFAULT_BARRIER_TIMEOUT",
     "CheckpointIntegrityError",
+    "CheckpointWriteError",
     "CollectiveMismatchError",
     "DDPStrategyError",
     "DuplicateDeviceError",
     "RankDivergenceError",
     "SafeDDPStrategy",
     "SetupMismatchError",
+    "UnsafeCheckpointError",
     "__version__",
 ]
 

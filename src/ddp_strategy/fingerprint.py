@@ -13,6 +13,7 @@ one small gather whatever the model's size.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,16 +66,11 @@ def named_tensors(module: nn.Module) -> Iterator[tuple[str, str, Tensor]]:
         yield name, "buffer", buf
 
 
-_WEIGHTS: dict[torch.device, Tensor] = {}
-
-
+@functools.cache
 def _weights(device: torch.device) -> Tensor:
-    weights = _WEIGHTS.get(device)
-    if weights is None:
-        idx = torch.arange(1, _ROW + 1, dtype=torch.int64)
-        weights = ((idx * 2654435761) % _WEIGHT_MOD + 1).to(device)
-        _WEIGHTS[device] = weights
-    return weights
+    """The fixed per-column weights of the positional sum, built once per device."""
+    idx = torch.arange(1, _ROW + 1, dtype=torch.int64)
+    return ((idx * 2654435761) % _WEIGHT_MOD + 1).to(device)
 
 
 def _as_integers(tensor: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -88,6 +88,8 @@ class ControlPlane:
         timeout: how long a barrier waits for the other ranks.
         heartbeat_interval: how often (seconds) a background thread re-publishes this rank's position.
         heartbeat_store: a second connection to the store for the heartbeat thread (defaults to ``store``).
+        store_factory: opens a new connection to the namespaced store, for other background threads (see
+            :meth:`connect`); without it :meth:`connect` returns ``store``.
 
     """
 
@@ -101,6 +103,7 @@ class ControlPlane:
         timeout: timedelta,
         heartbeat_interval: float = 1.0,
         heartbeat_store: Store | None = None,
+        store_factory: Callable[[], Store] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -111,6 +114,7 @@ class ControlPlane:
         self._position = Position(kind="started", name="started", since=time.time())
         self._stop = threading.Event()
         self._heartbeat_store = heartbeat_store if heartbeat_store is not None else store
+        self._store_factory = store_factory
         self._heartbeat_interval = heartbeat_interval
         # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
         self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
@@ -149,8 +153,12 @@ class ControlPlane:
         prefix = f"ddp_strategy/{token[0]}/"
         store: Store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
         heartbeat_store: Store | None = None
+
+        def connect() -> Store:
+            return dist.PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
+
         if world_size > 1:  # a second connection, so the heartbeat never waits behind a blocking wait()
-            heartbeat_store = dist.PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
+            heartbeat_store = connect()
         return cls(
             rank=rank,
             world_size=world_size,
@@ -159,6 +167,7 @@ class ControlPlane:
             timeout=timeout,
             heartbeat_interval=heartbeat_interval,
             heartbeat_store=heartbeat_store,
+            store_factory=connect,
         )
 
     # ------------------------------------------------------------------ positions
@@ -188,6 +197,34 @@ class ControlPlane:
                         err,
                     )
                 return
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between two publications of this rank's position (``0``: no heartbeat thread)."""
+        return self._heartbeat_interval
+
+    def connect(self) -> Store:
+        """A new connection to this run's store namespace, for a background thread.
+
+        A store client is not safe to share between threads (a blocking ``wait`` holds it), so a thread other
+        than the training thread uses a connection of its own, as the heartbeat does. Without a ``store_factory``
+        (a single-process fake store in tests) this returns the control plane's own store.
+        """
+        return self._store_factory() if self._store_factory is not None else self._store
+
+    def read_positions(self, store: Store | None = None) -> dict[int, Position | None]:
+        """Every rank's last published position (``None`` for a rank that never published one).
+
+        Args:
+            store: the connection to read through; a background thread passes its own (see :meth:`connect`).
+
+        """
+        store = self._store if store is None else store
+        positions: dict[int, Position | None] = {}
+        for rank in range(self.world_size):
+            key = _POSITION_KEY.format(rank=rank)
+            positions[rank] = Position.from_json(store.get(key)) if store.check([key]) else None
+        return positions
 
     def read_position(self, rank: int) -> Position | None:
         """The last position ``rank`` published, or ``None`` when it never published one."""

@@ -20,12 +20,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_strategy
 from ddp_strategy import SafeDDPStrategy
-from ddp_strategy.callbacks import WeightSyncCheck
+from ddp_strategy.callbacks import HangWatchdog, StragglerMonitor, WeightSyncCheck
 
 
 class TinyModel(pl.LightningModule):
@@ -44,6 +45,7 @@ class TinyModel(pl.LightningModule):
             self.trainer.strategy.barrier("only_rank1")
         if self.scenario == "barrier_names_differ" and self.global_step == 1:
             self.trainer.strategy.barrier("save" if rank == 0 else "load")
+        hang_or_straggle(self.scenario, rank, self.global_step, self.trainer.strategy.barrier)
         return nn.functional.cross_entropy(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -74,6 +76,23 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def hang_or_straggle(scenario: str, rank: int, step: int, barrier: Any) -> None:
+    """Scenarios of the hang watchdog and the straggler monitor (SLOW_SECONDS: the slow rank's extra time)."""
+    if scenario == "hang_sleep_rank1" and step == 2 and rank == 1:
+        time.sleep(3600)  # stuck in Python, GIL released
+    if scenario == "hang_busy_rank0" and step == 2 and rank == 0:
+        while True:  # stuck in Python, holding the GIL between switch intervals
+            sum(range(1000))
+    if scenario == "die_rank1_at_barrier" and step == 2:
+        if rank == 1:
+            os._exit(0)  # gone without an error (an early sys.exit in a rank-dependent branch)
+        barrier("after_step_2")
+    if scenario == "sigkill_rank0" and step == 3 and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if scenario == "slow_rank1" and rank == 1:
+        time.sleep(float(os.environ.get("SLOW_SECONDS", "0.05")))
+
+
 def loaders(n: int = 64, num_workers: int = 0, persistent: bool = False) -> tuple[DataLoader, DataLoader]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 8, generator=g)
@@ -85,6 +104,10 @@ def loaders(n: int = 64, num_workers: int = 0, persistent: bool = False) -> tupl
 
 def callbacks(args: argparse.Namespace) -> list[Any]:
     found: list[Any] = [checkpointing(args)] if args.ckpt_dir else []
+    if args.hang_watchdog:
+        found.append(HangWatchdog(args.hang_watchdog, dump_dir=args.hang_dir, grace_period=args.hang_grace))
+    if args.straggler:
+        found.append(StragglerMonitor(args.straggler, patience=2, output_dir=args.straggler_dir))
     if args.weight_sync_check:
         found.append(WeightSyncCheck(every_n_steps=args.weight_sync_check))
     return found
@@ -124,6 +147,12 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--save-weights", help="rank 0 saves the final state_dict here")
+    parser.add_argument("--hang-watchdog", type=float, default=0, help="add HangWatchdog(timeout=S)")
+    parser.add_argument("--hang-dir", help="HangWatchdog(dump_dir=...)")
+    parser.add_argument("--hang-grace", type=float, default=3.0, help="HangWatchdog(grace_period=...)")
+    parser.add_argument("--straggler", type=int, default=0, help="add StragglerMonitor(every_n_steps=N, patience=2)")
+    parser.add_argument("--straggler-dir", help="StragglerMonitor(output_dir=...)")
+    parser.add_argument("--csv-logger", help="log to a CSVLogger in this directory instead of logger=False")
     args = parser.parse_args()
 
     def report_process_group_at_exit() -> None:  # registered first, so it runs after the strategy's own handler
@@ -159,7 +188,7 @@ def main() -> None:
             strategy=make_strategy(),
             max_epochs=args.max_epochs,
             max_steps=args.max_steps,
-            logger=False,
+            logger=CSVLogger(args.csv_logger, name="run") if args.csv_logger else False,
             enable_checkpointing=args.ckpt_dir is not None,
             callbacks=callbacks(args),
             enable_progress_bar=False,

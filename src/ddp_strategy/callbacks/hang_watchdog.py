@@ -1,0 +1,753 @@
+"""``HangWatchdog``: turn a silent distributed hang into stack dumps, a cross-rank summary and a non-zero exit.
+
+A rank that stops making progress (stuck in a collective, in its own code, or waiting for a rank that died)
+would otherwise wait for the process-group timeout, 30 minutes by default, and then fail with a message that
+names neither the culprit nor the place. With this callback, a thread on every rank watches the training
+thread's progress (Lightning's batch, epoch, backward and optimizer hooks). When one rank sees none for
+``timeout`` seconds, it raises an alarm in the rendezvous store; every rank that can still run Python then
+writes the stacks of all its threads to a file and to stderr and publishes a short report; the lowest rank that
+reported (rank 0 unless it is the one that is gone) prints a one-screen summary of where every rank is and which
+ranks differ from the rest; and every rank exits with ``exit_code``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from ddp_strategy.control import ControlPlane, Store, to_timedelta
+from ddp_strategy.positions import Position, format_ranks
+
+__all__ = ["HANG_EXIT_CODE", "HangWatchdog"]
+
+log = logging.getLogger(__name__)
+
+#: The default exit code of every rank after a detected hang (the code ``timeout(1)`` uses).
+HANG_EXIT_CODE = 124
+
+_TRIGGER_KEY = "hang/trigger"
+_REPORT_KEY = "hang/report/{rank}"
+_PROCESS_KEY = "hang/process/{rank}"
+_DONE_KEY = "hang/done"
+_ACK_KEY = "hang/ack/{rank}"
+_POLL = 0.05  # seconds between store polls while ranks exchange their reports
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY_MARKERS = (
+    f"{os.sep}lightning{os.sep}",
+    f"{os.sep}lightning_fabric{os.sep}",
+    f"{os.sep}pytorch_lightning{os.sep}",
+    f"{os.sep}torch{os.sep}",
+    f"{os.sep}torchmetrics{os.sep}",
+    f"{os.sep}threading.py",
+)
+_C10D_COLLECTIVES = frozenset(
+    {
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_reduce",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "batch_isend_irecv",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "monitored_barrier",
+        "recv",
+        "recv_object_list",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "send_object_list",
+        "wait",
+    }
+)
+_CONTROL_WAITS = frozenset({"barrier", "_wait_all", "all_gather_object", "gather_object", "broadcast_object"})
+
+Frame = tuple[str, int, str]  # (file name, line number, function name)
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages", "dist-packages"):
+        if marker in path:
+            return path.split(marker + os.sep, 1)[1]
+    cwd = os.getcwd()
+    return os.path.relpath(path, cwd) if path.startswith(cwd) else path
+
+
+def _text(frame: Frame) -> str:
+    return f"{_short(frame[0])}:{frame[1]} in {frame[2]}"
+
+
+def _is_user(frame: Frame) -> bool:
+    path = frame[0]
+    return not path.startswith(_PACKAGE_DIR) and not any(marker in path for marker in _LIBRARY_MARKERS)
+
+
+def _frames(frame: FrameType | None) -> list[Frame]:
+    """The stack of ``frame``, innermost first."""
+    found: list[Frame] = []
+    while frame is not None:
+        found.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return found
+
+
+def locate(stack: list[Frame], position: Position | None) -> tuple[str, str]:
+    """Say where a rank's training thread is, from its stack (innermost frame first) and its published position.
+
+    Returns:
+        ``(state, where)``: ``state`` is ``"waiting"`` (in a barrier, a collective or DDP's gradient
+        synchronisation: waiting for other ranks) or ``"running"`` (in its own code: a loop, a sleep, I/O);
+        ``where`` is a description without times, so ranks at the same place get the same text.
+
+    """
+    user = next((_text(f) for f in stack if _is_user(f)), "")
+    via = f" from {user}" if user else ""
+    for f in stack:
+        path = f[0].replace(os.sep, "/")
+        if path.endswith("ddp_strategy/control.py") and f[2] in _CONTROL_WAITS:
+            if position is not None and position.kind in ("barrier", "collective"):
+                site = f" at {position.site}" if position.site else ""
+                return "waiting", f"{position.kind} '{position.name}'{site}"
+            return "waiting", f"a control-plane barrier{via}"
+        if "/torch/distributed/" in path and f[2] in _C10D_COLLECTIVES:
+            return "waiting", f"collective torch.distributed.{f[2]}{via}"
+    if stack:
+        path = stack[0][0].replace(os.sep, "/")
+        if "/torch/autograd/" in path:
+            return "waiting", f"backward pass: DDP's gradient all-reduce{via}"
+        if path.endswith("torch/nn/parallel/distributed.py"):
+            return "waiting", f"DDP {stack[0][2]} (buffer/parameter sync){via}"
+    if user:
+        return "running", f"its own code at {user}"
+    return "running", f"code at {_text(stack[0])}" if stack else "an unknown place (no Python stack)"
+
+
+def _dump_threads() -> str:
+    """Every thread's Python stack, formatted like a traceback (most recent call last)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    main = threading.main_thread().ident
+    parts = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda item: item[0] != main):
+        parts.append(f"Thread {names.get(ident, '<unknown>')} (ident {ident}), most recent call last:")
+        parts.append("".join(traceback.format_stack(frame)).rstrip())
+        parts.append("")
+    return "\n".join(parts)
+
+
+def summarize(
+    reports: dict[int, dict[str, Any]],
+    positions: dict[int, Position | None],
+    world_size: int,
+    *,
+    trigger: str,
+    exit_code: int,
+    now: float | None = None,
+) -> str:
+    """The one-screen summary rank 0 prints: where each rank is, grouped, and which ranks differ from the rest.
+
+    Args:
+        reports: the reports the ranks published (see :meth:`HangWatchdog._report`), by rank.
+        positions: every rank's last published position (used for ranks without a report).
+        world_size: the number of ranks.
+        trigger: why the watchdog fired.
+        exit_code: the code every rank exits with.
+        now: the current wall-clock time (``time.time()``), for ages.
+
+    """
+    now = time.time() if now is None else now
+    missing = [rank for rank in range(world_size) if rank not in reports]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank, report in sorted(reports.items()):
+        groups.setdefault((report["state"], report["where"]), []).append(rank)
+    lines = [f"===== HangWatchdog: training hung; {trigger} =====", "Where each rank is:"]
+    for (state, where), ranks in sorted(groups.items(), key=lambda item: item[1][0]):
+        steps = sorted({reports[r]["step"] for r in ranks})
+        step_text = ", ".join(str(s) for s in steps[:3]) + (", ..." if len(steps) > 3 else "")
+        progress = reports[ranks[0]]["progress"]
+        lines.append(
+            f"  rank {format_ranks(ranks)}: {state} in {where}; training step {step_text}; "
+            f"last progress: {progress} ({reports[ranks[0]]['idle']:.1f} s before the dump)"
+        )
+    for rank in missing[:8]:
+        position = positions.get(rank)
+        seen = "never published a position" if position is None else f"last seen: {position.describe(now)}"
+        lines.append(f"  rank {rank}: NO REPORT (dead, or frozen without running Python); {seen}")
+    if len(missing) > 8:
+        lines.append(f"  ... and {len(missing) - 8} more ranks without a report: {format_ranks(missing)}")
+    lines.extend(_verdict(groups, missing))
+    dumps = [reports[r]["dump"] for r in sorted(reports) if reports[r].get("dump")]
+    if dumps:
+        folder = os.path.dirname(dumps[0])
+        same = all(os.path.dirname(d) == folder for d in dumps)
+        names = ", ".join(os.path.basename(d) if same else d for d in dumps[:8]) + (" ..." if len(dumps) > 8 else "")
+        lines.append(f"Stack dumps (all threads): {names}" + (f" in {folder}" if same else ""))
+    lines.append(f"Every rank now exits with code {exit_code}.")
+    return "\n".join(lines)
+
+
+def _verdict(groups: dict[tuple[str, str], list[int]], missing: list[int]) -> list[str]:
+    waiting = sorted(r for (state, _), ranks in groups.items() if state == "waiting" for r in ranks)
+    running = sorted(r for (state, _), ranks in groups.items() if state == "running" for r in ranks)
+    found: list[str] = []
+    if missing:
+        found.append(f"rank {format_ranks(missing)}: gone (no report, heartbeat stopped): it died or exited early")
+    if running and (waiting or missing):
+        found.append(
+            f"rank {format_ranks(running)}: running its own code (not in any collective) while "
+            + (
+                f"rank {format_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} for it"
+                if waiting
+                else "the others are gone"
+            )
+        )
+    if not found and len(groups) > 1:
+        sizes = sorted((len(ranks) for ranks in groups.values()), reverse=True)
+        if sizes[0] > sizes[1]:
+            largest = max(groups.values(), key=len)
+            odd = sorted(r for ranks in groups.values() if ranks is not largest for r in ranks)
+            found.append(f"rank {format_ranks(odd)}: at a different place than the others (see above)")
+        else:
+            found.append(
+                "no majority: the ranks wait in different collectives (a rank-dependent branch around a barrier "
+                "or collective is the usual cause)"
+            )
+    if not found:
+        return [
+            "Differs from the rest: none; every rank is at the same place (a collective all ranks entered hangs: "
+            "look at the network or backend, or every rank is stuck in the same code)."
+        ]
+    return ["Differs from the rest:", *(f"  {line}" for line in found)]
+
+
+class HangWatchdog(Callback):
+    """Dump every rank's stacks and stop the job when a rank makes no progress for ``timeout`` seconds.
+
+    Progress is any of Lightning's batch, epoch, backward, optimizer or checkpoint hooks on this rank. When a
+    rank sees no progress for ``timeout`` seconds (stuck in a gloo/NCCL collective, in a barrier only some ranks
+    called, in its own code such as an endless loop or sleep, or waiting for a rank that died), it raises an
+    alarm through the rendezvous store of :class:`~ddp_strategy.SafeDDPStrategy`'s control plane. Then every rank
+    whose watchdog thread can run
+
+    1. writes the Python stack of each of its threads, with where it is and its last progress, to
+       ``<dump_dir>/hang-rank<R>.txt`` and to stderr;
+    2. publishes a short report (training step, last progress, where its training thread is waiting);
+
+    the lowest rank that reported (rank 0 unless rank 0 is the one that is gone) prints a one-screen summary:
+    each place ranks are at (barrier name and call site, collective, training step), ranks without a report
+    with their last published position and heartbeat, and which ranks differ from the rest; and every rank
+    exits with ``exit_code`` (``os._exit`` after flushing), so the launcher returns non-zero instead of waiting
+    for the process-group timeout. A rank that reported nothing within ``grace_period`` and still runs on the
+    summarising rank's host (frozen without running Python) is killed.
+
+    When the training thread fails with an exception instead (gloo notices a dead peer at once), the callback
+    names peers whose heartbeat has stopped, since the backend's error names only an address.
+
+    Without ``SafeDDPStrategy`` (or with one process) the watchdog still dumps this rank's stacks and exits.
+
+    Args:
+        timeout: seconds (or a ``timedelta``) without progress on a rank before the alarm. Set it well above
+            the longest legitimate gap between two hooks (a checkpoint write, the first batch of a slow
+            dataloader, a long validation ``setup``).
+        dump_dir: where the per-rank stack files go. Default: ``<trainer.default_root_dir>/hang_dumps``.
+        grace_period: seconds the ranks wait for each other's reports after the alarm before the summary.
+        exit_code: the exit code of every rank after a hang (1-255). Default: 124.
+        poll_interval: seconds between two checks of the watchdog thread. Default: ``min(1, timeout / 4)``.
+
+    Raises:
+        ValueError: an argument is not a positive number (``exit_code``: not an integer in 1-255).
+
+    """
+
+    def __init__(
+        self,
+        timeout: float | timedelta = 600.0,
+        *,
+        dump_dir: str | os.PathLike[str] | None = None,
+        grace_period: float = 10.0,
+        exit_code: int = HANG_EXIT_CODE,
+        poll_interval: float | None = None,
+    ) -> None:
+        self.timeout = to_timedelta(timeout, name="timeout").total_seconds()
+        self.grace_period = to_timedelta(grace_period, name="grace_period").total_seconds()
+        if not isinstance(exit_code, int) or isinstance(exit_code, bool) or not 1 <= exit_code <= 255:
+            raise ValueError(f"`exit_code` must be an integer from 1 to 255 (non-zero), got {exit_code!r}.")
+        self.exit_code = exit_code
+        self.poll_interval = (
+            min(1.0, self.timeout / 4)
+            if poll_interval is None
+            else to_timedelta(poll_interval, name="poll_interval").total_seconds()
+        )
+        self.dump_dir = None if dump_dir is None else Path(dump_dir)
+        self._progress_at = time.monotonic()
+        self._progress_what = "setup"
+        self._stop = threading.Event()
+        self._firing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._trainer: pl.Trainer | None = None
+        self._control: ControlPlane | None = None
+        self._store: Store | None = None
+        self._rank = 0
+        self._world_size = 1
+        self._folder = Path("hang_dumps")
+
+    # ------------------------------------------------------------------ life cycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._disarm()
+        control = getattr(trainer.strategy, "control_plane", None)
+        self._control = control if isinstance(control, ControlPlane) else None
+        self._trainer = trainer
+        self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        self._folder = self.dump_dir if self.dump_dir is not None else Path(trainer.default_root_dir) / "hang_dumps"
+        self._store = None
+        if self._control is not None and self._control.world_size > 1:
+            self._store = self._control.connect()
+            process = {"host": socket.gethostname(), "pid": os.getpid()}
+            self._store.set(_PROCESS_KEY.format(rank=self._rank), json.dumps(process))
+        elif trainer.world_size > 1:
+            rank_zero_warn(
+                "HangWatchdog coordinates ranks through SafeDDPStrategy's control plane, which this run does not "
+                f"have ({type(trainer.strategy).__name__}); each rank will only dump its own stacks and exit."
+            )
+        self._stop = threading.Event()
+        self._note("setup")
+        self._thread = threading.Thread(
+            target=self._watch, name=f"ddp_strategy-hang-watchdog-rank{self._rank}", daemon=True
+        )
+        self._thread.start()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._disarm()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._disarm()  # the strategy's teardown (its own timeouts) follows; nothing left to watch
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._disarm()
+        else:
+            self._note("on_validation_end")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._disarm()
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._disarm()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._firing.is_set():
+            # The watchdog is dumping and will exit the process; returning would let this rank exit on the error
+            # first, and a launcher may then kill the rank that is printing the summary.
+            time.sleep(2 * self.grace_period + 5.0)
+        armed = self._thread is not None
+        self._disarm()
+        if armed:
+            self.explain_failure(exception)
+
+    def _disarm(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ progress
+    def _note(self, what: str) -> None:
+        self._progress_at = time.monotonic()
+        self._progress_what = what
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_fit_start")
+
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_sanity_check_start")
+
+    @override
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_sanity_check_end")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_train_start")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note(f"on_train_epoch_start (epoch {trainer.current_epoch})")
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note(f"on_train_epoch_end (epoch {trainer.current_epoch})")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._note(f"on_train_batch_start (batch {batch_idx})")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._note(f"on_train_batch_end (batch {batch_idx})")
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._note("on_before_backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_after_backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._note("on_before_optimizer_step")
+
+    @override
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._note("on_before_zero_grad")
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_validation_start")
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_validation_epoch_start")
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_validation_epoch_end")
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._note(f"on_validation_batch_start (batch {batch_idx})")
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._note(f"on_validation_batch_end (batch {batch_idx})")
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_test_start")
+
+    @override
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._note(f"on_test_batch_start (batch {batch_idx})")
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._note(f"on_test_batch_end (batch {batch_idx})")
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note("on_predict_start")
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._note(f"on_predict_batch_start (batch {batch_idx})")
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._note(f"on_predict_batch_end (batch {batch_idx})")
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._note("on_save_checkpoint")
+
+    # ------------------------------------------------------------------ the watchdog thread
+    def _watch(self) -> None:
+        stop, store = self._stop, self._store
+        while not stop.wait(self.poll_interval):
+            idle = time.monotonic() - self._progress_at
+            if idle > self.timeout:
+                reason = (
+                    f"rank {self._rank} made no progress for {idle:.1f} s (timeout {self.timeout:g} s; "
+                    f"last progress: {self._progress_what})"
+                )
+                if stop.is_set():
+                    return
+                self._fire(reason, raise_alarm=True)
+                return
+            if store is None:
+                continue
+            try:
+                alarm = store.check([_TRIGGER_KEY])
+                reason = store.get(_TRIGGER_KEY).decode() if alarm else ""
+            except Exception:  # the store is gone (rank 0 exited or died): only this rank's own progress counts now
+                continue
+            if alarm and not stop.is_set():
+                self._fire(reason, raise_alarm=False)
+                return
+
+    def _fire(self, reason: str, *, raise_alarm: bool) -> None:
+        """Dump, exchange reports, summarise, exit. Runs on the watchdog thread; never returns."""
+        self._firing.set()
+        store = self._store
+        store_error: Exception | None = None
+        if store is not None and raise_alarm:
+            try:
+                store.set(_TRIGGER_KEY, reason)
+            except Exception as err:
+                store_error = err
+        try:
+            report = self._report(reason)
+            if store is None or store_error is not None:
+                self._print_local(report, reason, store_error)
+            else:
+                self._coordinate(store, report, reason)
+        except BaseException as err:  # the process must still exit: say what went wrong, then go
+            self._emit(f"HangWatchdog (rank {self._rank}) could not finish its report: {err!r}")
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_code)
+
+    def _report(self, reason: str) -> dict[str, Any]:
+        """Write this rank's stack dump (file and stderr) and return the summary data for it."""
+        now = time.time()
+        idle = time.monotonic() - self._progress_at
+        position = self._control.position if self._control is not None else None
+        main = threading.main_thread()
+        stack = _frames(sys._current_frames().get(main.ident or -1))
+        state, where = locate(stack, position)
+        trainer = self._trainer
+        step = int(trainer.global_step) if trainer is not None else -1
+        head = [
+            f"HangWatchdog stack dump: rank {self._rank} of {self._world_size}, host {socket.gethostname()}, "
+            f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}",
+            f"Alarm: {reason}",
+            f"Training thread: {state} in {where}",
+            f"Training step {step}; last progress: {self._progress_what}, {idle:.1f} s ago",
+        ]
+        if position is not None:
+            head.append(f"Published position: {position.describe(now)}")
+        text = "\n".join([*head, "", _dump_threads()])
+        path = self._folder / f"hang-rank{self._rank}.txt"
+        written = ""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            written = str(path.resolve())
+        except OSError as err:
+            text += f"\n(could not write {path}: {err})"
+        self._emit("\n".join(f"[rank{self._rank}]: {line}" for line in text.splitlines()))
+        return {
+            "rank": self._rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "step": step,
+            "state": state,
+            "where": where,
+            "progress": self._progress_what,
+            "idle": idle,
+            "dump": written,
+        }
+
+    def _coordinate(self, store: Store, report: dict[str, Any], reason: str) -> None:
+        """Publish this rank's report; the lowest reporting rank prints the summary, the others wait for it.
+
+        The others exit only after the summary is out (a launcher may kill every rank as soon as one exits), and
+        the summarising rank exits only after they saw it (its process hosts the store when it is rank 0).
+        """
+        keys = [_REPORT_KEY.format(rank=r) for r in range(self._world_size)]
+        try:
+            store.set(keys[self._rank], json.dumps(report))
+            deadline = time.monotonic() + self.grace_period
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(_POLL)
+            present = [r for r in range(self._world_size) if store.check([keys[r]])]
+        except Exception as err:
+            self._print_local(report, reason, err)
+            return
+        if any(r < self._rank for r in present):  # a lower rank summarises
+            try:
+                deadline = time.monotonic() + self.grace_period + 2.0
+                while not store.check([_DONE_KEY]) and time.monotonic() < deadline:
+                    time.sleep(_POLL)
+                if store.check([_DONE_KEY]):
+                    store.set(_ACK_KEY.format(rank=self._rank), "1")
+                    return
+            except Exception as err:  # the summarising rank 0 exited, taking the store with it
+                self._emit(
+                    f"HangWatchdog (rank {self._rank}): the store went away while waiting for the summary ({err})."
+                )
+                return
+            present = [r for r in present if r >= self._rank]  # it never finished: summarise here instead
+        try:
+            reports = {r: json.loads(store.get(keys[r])) for r in present}
+            positions = self._control.read_positions(store) if self._control is not None else {}
+        except Exception as err:
+            self._print_local(report, reason, err)
+            return
+        self._emit(summarize(reports, positions, self._world_size, trigger=reason, exit_code=self.exit_code))
+        try:
+            self._kill_frozen(store, reports)
+            store.set(_DONE_KEY, "1")
+            acks = [_ACK_KEY.format(rank=r) for r in present if r != self._rank]
+            deadline = time.monotonic() + 2.0
+            while acks and not store.check(acks) and time.monotonic() < deadline:
+                time.sleep(_POLL)
+        except Exception as err:
+            log.debug("HangWatchdog: could not announce the summary (%s)", err)
+
+    def _kill_frozen(self, store: Store, reports: dict[int, dict[str, Any]]) -> None:
+        """Kill ranks on this host that are alive but never reported (frozen without running Python)."""
+        host = socket.gethostname()
+        for rank in range(self._world_size):
+            key = _PROCESS_KEY.format(rank=rank)
+            if rank in reports or not store.check([key]):
+                continue
+            process = json.loads(store.get(key))
+            if process.get("host") != host:
+                continue
+            try:
+                os.kill(int(process["pid"]), signal.SIGKILL)
+                self._emit(f"HangWatchdog: killed rank {rank} (pid {process['pid']}): alive but unresponsive.")
+            except ProcessLookupError:
+                pass  # already gone: the usual case of a dead rank
+            except OSError as err:
+                self._emit(f"HangWatchdog: could not kill unresponsive rank {rank} (pid {process['pid']}): {err}")
+
+    def _print_local(self, report: dict[str, Any], reason: str, store_error: Exception | None) -> None:
+        lines = [f"===== HangWatchdog (rank {self._rank}): training hung; {reason} ====="]
+        if store_error is not None:
+            lines.append(
+                f"The rendezvous store is unreachable ({store_error}); it is hosted by rank 0's process (the node-0 "
+                "agent under torchrun), so rank 0 has most likely died or exited: look at its output. Only this "
+                "rank's view follows."
+            )
+        lines.append(
+            f"  rank {self._rank}: {report['state']} in {report['where']}; training step {report['step']}; "
+            f"last progress: {report['progress']}"
+        )
+        if report["dump"]:
+            lines.append(f"Stack dump: {report['dump']}")
+        lines.append(f"This rank now exits with code {self.exit_code}.")
+        self._emit("\n".join(lines))
+
+    @staticmethod
+    def _emit(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    # ------------------------------------------------------------------ failures
+    def explain_failure(self, exception: BaseException) -> None:
+        """After an exception on this rank, name peers that are gone (their heartbeat stopped).
+
+        A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address,
+        not a rank. This waits at most ``max(1 s, 3 heartbeat intervals)`` for every peer's heartbeat to move and
+        prints the ranks whose heartbeat did not, with the last position each published. Prints nothing when every
+        peer is alive.
+        """
+        control, store = self._control, self._store
+        if control is None or store is None or control.heartbeat_interval <= 0:
+            return
+        try:
+            first = control.read_positions(store)
+            stale_after = max(1.0, 3 * control.heartbeat_interval)
+            pending = {r for r, p in first.items() if r != self._rank and p is not None and p.kind != "failed"}
+            deadline = time.monotonic() + stale_after
+            latest = first
+            while pending and time.monotonic() < deadline:
+                time.sleep(min(0.1, control.heartbeat_interval / 2))
+                latest = control.read_positions(store)
+                pending -= {r for r in pending if _moved(first[r], latest[r])}
+        except Exception as err:
+            self._emit(
+                f"HangWatchdog (rank {self._rank}): after {type(exception).__name__}, the rendezvous store is "
+                f"unreachable ({err}): rank 0, which hosts it, has most likely died or exited. Look at rank 0's "
+                "output (or its exit signal) for the cause."
+            )
+            return
+        gone = sorted(pending | {r for r, p in first.items() if p is None and r != self._rank})
+        if gone:
+            now = time.time()
+            lines = [
+                f"HangWatchdog (rank {self._rank}): {type(exception).__name__} on this rank, and rank "
+                f"{format_ranks(gone)} stopped sending heartbeats: it died or exited. Last seen:"
+            ]
+            lines.extend(_last_seen(gone, latest, now))
+            self._emit("\n".join(lines))
+
+
+def _moved(before: Position | None, after: Position | None) -> bool:
+    if after is None:
+        return False
+    return after.kind == "failed" or before is None or after.heartbeat > before.heartbeat
+
+
+def _last_seen(ranks: Iterable[int], positions: dict[int, Position | None], now: float) -> list[str]:
+    lines = []
+    for rank in ranks:
+        position = positions.get(rank)
+        lines.append(
+            f"  rank {rank}: " + ("never published a position" if position is None else position.describe(now))
+        )
+    return lines

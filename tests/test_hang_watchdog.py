@@ -1,0 +1,231 @@
+"""HangWatchdog: stack analysis and summary logic, two simulated ranks in one process, real multi-process hangs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ddp_strategy.callbacks import HangWatchdog
+from ddp_strategy.callbacks import hang_watchdog as hw
+from ddp_strategy.control import ControlPlane
+from ddp_strategy.positions import Position
+from tests.proc import SCRIPTS, Run, run_script
+
+TORCH = os.sep + os.path.join("venv", "lib", "torch")
+CONTROL = os.path.join(hw._PACKAGE_DIR, "control.py")
+
+
+def test_locate_names_a_control_plane_barrier_from_the_position():
+    stack = [(CONTROL, 300, "_wait_all"), (CONTROL, 250, "barrier"), ("/home/u/train.py", 12, "training_step")]
+    position = Position(kind="barrier", name="save", site="train.py:12 in training_step")
+    assert hw.locate(stack, position) == ("waiting", "barrier 'save' at train.py:12 in training_step")
+
+
+def test_locate_names_a_torch_collective_and_the_user_code_that_called_it():
+    stack = [
+        (f"{TORCH}{os.sep}distributed{os.sep}c10d_logger.py", 80, "wrapper"),
+        (f"{TORCH}{os.sep}distributed{os.sep}distributed_c10d.py", 2500, "all_reduce"),
+        ("/home/u/train.py", 40, "on_validation_epoch_end"),
+    ]
+    state, where = hw.locate(stack, None)
+    assert state == "waiting"
+    assert where.startswith("collective torch.distributed.all_reduce from ") and "train.py:40" in where
+
+
+def test_locate_backward_is_a_gradient_sync_and_user_code_is_running():
+    backward = [(f"{TORCH}{os.sep}autograd{os.sep}graph.py", 800, "_engine_run_backward"), ("/u/t.py", 5, "main")]
+    assert hw.locate(backward, None)[1].startswith("backward pass: DDP's gradient all-reduce")
+    sleeping = [("/home/u/train.py", 7, "training_step"), (f"{TORCH}{os.sep}nn{os.sep}module.py", 1, "_call")]
+    assert hw.locate(sleeping, None) == ("running", "its own code at /home/u/train.py:7 in training_step")
+
+
+def report(rank: int, state: str, where: str, step: int = 3) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "step": step,
+        "state": state,
+        "where": where,
+        "progress": "on_train_batch_start (batch 3)",
+        "idle": 5.0,
+        "dump": f"/tmp/d/hang-rank{rank}.txt",
+    }
+
+
+def test_summary_names_a_dead_rank_and_a_rank_running_its_own_code():
+    reports = {0: report(0, "waiting", "backward pass"), 1: report(1, "running", "its own code at t.py:9 in step")}
+    positions = {2: Position(kind="training step", name="2", since=90.0, heartbeat=91.0)}
+    text = hw.summarize(reports, positions, 3, trigger="rank 0 made no progress", exit_code=124, now=100.0)
+    assert "rank 0: waiting in backward pass; training step 3" in text
+    assert "rank 2: NO REPORT (dead, or frozen without running Python); last seen: training step 2" in text
+    assert "last heartbeat 9.0 s ago" in text
+    assert "rank 2: gone (no report, heartbeat stopped)" in text
+    assert "rank 1: running its own code (not in any collective) while rank 0 waits for it" in text
+    assert "Stack dumps (all threads): hang-rank0.txt, hang-rank1.txt in /tmp/d" in text
+    assert text.endswith("Every rank now exits with code 124.")
+
+
+def test_summary_groups_ranks_and_names_the_minority():
+    reports = {r: report(r, "waiting", "backward pass") for r in (0, 1, 3)}
+    reports[2] = report(2, "waiting", "barrier 'x' at t.py:3 in f")
+    text = hw.summarize(reports, {}, 4, trigger="t", exit_code=9)
+    assert "rank 0-1, 3: waiting in backward pass" in text
+    assert "rank 2: at a different place than the others" in text
+    tie = hw.summarize({0: reports[0], 1: reports[2]}, {}, 2, trigger="t", exit_code=9)
+    assert "no majority: the ranks wait in different collectives" in tie
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"timeout": 0},
+        {"timeout": "1"},
+        {"grace_period": -1},
+        {"exit_code": 0},
+        {"exit_code": 256},
+        {"poll_interval": 0},
+    ],
+)
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        HangWatchdog(**kwargs)
+
+
+def test_two_simulated_ranks_dump_summarise_and_exit(tmp_path, monkeypatch):
+    """Rank 1 stops making progress; rank 0 keeps going, sees the alarm, reports and prints the summary."""
+    store = dist.HashStore()
+    planes = [
+        ControlPlane(
+            rank=r, world_size=2, store=store, group=None, timeout=timedelta(seconds=5), heartbeat_interval=0.05
+        )
+        for r in range(2)
+    ]
+    exits: dict[str, int] = {}
+    emitted: list[str] = []
+    monkeypatch.setattr(hw.os, "_exit", lambda code: exits.__setitem__(threading.current_thread().name, code))
+    monkeypatch.setattr(HangWatchdog, "_emit", staticmethod(emitted.append))
+    dogs = [HangWatchdog(0.4, dump_dir=tmp_path, grace_period=2.0, exit_code=7, poll_interval=0.05) for _ in range(2)]
+    for rank, (dog, plane) in enumerate(zip(dogs, planes, strict=True)):
+        trainer = SimpleNamespace(
+            strategy=SimpleNamespace(control_plane=plane),
+            global_rank=rank,
+            world_size=2,
+            default_root_dir=str(tmp_path),
+            global_step=4 + rank,
+        )
+        dog.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    threads = [dog._thread for dog in dogs]
+    deadline = time.monotonic() + 15
+    while any(t is not None and t.is_alive() for t in threads) and time.monotonic() < deadline:
+        dogs[0]._note("on_train_batch_end (batch 1)")  # rank 0 makes progress; rank 1 does not
+        time.sleep(0.05)
+    for plane in planes:
+        plane.close()
+    assert exits == {"ddp_strategy-hang-watchdog-rank0": 7, "ddp_strategy-hang-watchdog-rank1": 7}
+    summaries = [e for e in emitted if e.startswith("===== HangWatchdog: training hung")]
+    assert len(summaries) == 1, emitted
+    assert "rank 1 made no progress for" in summaries[0]
+    assert "Every rank now exits with code 7." in summaries[0]
+    for rank in (0, 1):
+        dump = (tmp_path / f"hang-rank{rank}.txt").read_text()
+        assert f"rank {rank} of 2" in dump and "Thread MainThread" in dump
+
+
+# ---------------------------------------------------------------------- real multi-process runs
+def run_hang(scenario: str, tmp_path: Path, *extra: str) -> tuple[Run, Path]:
+    dumps = tmp_path / "dumps"
+    run = run_script(
+        [
+            str(SCRIPTS / "scenario.py"),
+            scenario,
+            "--out",
+            str(tmp_path / "out.json"),
+            "--hang-watchdog",
+            "3",
+            "--hang-grace",
+            "3",
+            "--hang-dir",
+            str(dumps),
+            *extra,
+        ],
+        timeout=90,
+    )
+    assert not run.timed_out and not run.orphans, run.describe()
+    assert run.returncode != 0, run.describe()
+    return run, dumps
+
+
+def summary_of(run: Run) -> str:
+    start = run.output.index("===== HangWatchdog: training hung")
+    end = run.output.index("Every rank now exits with code 124.", start)
+    return run.output[start:end]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_sleeping_forever_in_training_step(tmp_path):
+    run, dumps = run_hang("hang_sleep_rank1", tmp_path)
+    assert run.returncode == hw.HANG_EXIT_CODE, run.describe()
+    summary = summary_of(run)
+    assert "rank 0: waiting in backward pass: DDP's gradient all-reduce" in summary, run.describe()
+    assert "rank 1: running in its own code at tests/scripts/scenario.py" in summary
+    assert "in hang_or_straggle; training step 2" in summary
+    assert "rank 1: running its own code (not in any collective) while rank 0 waits for it" in summary
+    for rank in (0, 1):
+        dump = (dumps / f"hang-rank{rank}.txt").read_text()
+        assert "Thread MainThread" in dump and f"ddp_strategy-heartbeat-rank{rank}" in dump
+        assert f"[rank{rank}]: HangWatchdog stack dump: rank {rank} of 2" in run.output  # stderr too
+    assert "time.sleep(3600)" in (dumps / "hang-rank1.txt").read_text()
+    assert run.seconds < 60, run.describe()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_barrier_called_by_rank0_only_is_summarised_before_the_barrier_timeout(tmp_path):
+    run, dumps = run_hang("barrier_rank0_only", tmp_path, "--barrier-timeout", "60")
+    assert run.returncode == hw.HANG_EXIT_CODE, run.describe()
+    summary = summary_of(run)
+    assert "rank 0: waiting in barrier 'only_rank0' at tests/scripts/scenario.py" in summary, run.describe()
+    assert "rank 1: waiting in backward pass: DDP's gradient all-reduce" in summary
+    assert "no majority: the ranks wait in different collectives" in summary
+    assert "CollectiveMismatchError" not in run.output  # the watchdog (3 s) acted long before barrier_timeout
+    assert (dumps / "hang-rank0.txt").exists() and (dumps / "hang-rank1.txt").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank0_stuck_in_a_busy_loop_still_summarises(tmp_path):
+    run, _ = run_hang("hang_busy_rank0", tmp_path)
+    assert run.returncode == hw.HANG_EXIT_CODE, run.describe()
+    summary = summary_of(run)
+    assert "rank 0: running in its own code at tests/scripts/scenario.py" in summary, run.describe()
+    assert "rank 0: running its own code (not in any collective) while rank 1 waits for it" in summary
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_that_exited_is_reported_gone(tmp_path):
+    run, dumps = run_hang("die_rank1_at_barrier", tmp_path)
+    assert run.returncode == hw.HANG_EXIT_CODE, run.describe()
+    summary = summary_of(run)
+    assert "rank 0: waiting in barrier 'after_step_2'" in summary, run.describe()
+    assert "rank 1: NO REPORT (dead, or frozen without running Python); last seen:" in summary
+    assert "rank 1: gone (no report, heartbeat stopped): it died or exited early" in summary
+    assert (dumps / "hang-rank0.txt").exists() and not (dumps / "hang-rank1.txt").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_killed_rank0_is_named_by_the_surviving_rank(tmp_path):
+    run, _ = run_hang("sigkill_rank0", tmp_path)
+    assert "HangWatchdog (rank 1): after RuntimeError, the rendezvous store is unreachable" in run.output, (
+        run.describe()
+    )
+    assert "rank 0, which hosts it, has most likely died or exited" in run.output

@@ -100,3 +100,63 @@ def test_at_most_one_write_in_flight(tmp_path: Path):
     assert second_done.is_set()
     assert writer.wait() is None
     assert (tmp_path / "1.ckpt").exists() and (tmp_path / "2.ckpt").exists()
+
+
+def test_snapshot_reuses_matching_buffers_and_allocates_for_changed_ones():
+    live = {"state_dict": {"w": torch.ones(4, 3), "b": torch.zeros(3)}, "opt": [torch.full((2,), 7.0)], "step": 1}
+    first = snapshot(live)
+    live["state_dict"]["w"].add_(1)
+    live["state_dict"]["b"] = torch.zeros(5)  # shape changed: a new buffer
+    second = snapshot(live, first)
+    assert second["state_dict"]["w"] is first["state_dict"]["w"]  # copied into the earlier buffer
+    assert torch.equal(second["state_dict"]["w"], torch.full((4, 3), 2.0))
+    assert second["state_dict"]["b"].shape == (5,) and second["state_dict"]["b"] is not first["state_dict"]["b"]
+    assert second["opt"][0] is first["opt"][0] and second["step"] == 1
+    assert second["state_dict"]["w"].data_ptr() != live["state_dict"]["w"].data_ptr()
+    transposed = {"state_dict": {"w": torch.ones(3, 4).t()}}  # same shape, other strides: a new buffer
+    assert snapshot(transposed, second)["state_dict"]["w"] is not second["state_dict"]["w"]
+
+
+def test_reused_buffers_are_not_overwritten_while_their_write_is_in_flight(tmp_path: Path):
+    io = GatedIO()
+    writer = AsyncCheckpointWriter(io)
+    weights = torch.zeros(1000)
+    assert writer.submit({"state_dict": {"w": weights}, "global_step": 1}, str(tmp_path / "1.ckpt")) is None
+    assert io.started.wait(5)
+    weights.fill_(2.0)  # training goes on and the next checkpoint comes while the first write is still blocked
+    second_submitted = threading.Event()
+
+    def second() -> None:
+        writer.submit({"state_dict": {"w": weights}, "global_step": 2}, str(tmp_path / "2.ckpt"))
+        second_submitted.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    assert not second_submitted.wait(0.3)  # it waits for the first write before touching the shared buffer
+    io.gate.set()
+    thread.join(10)
+    assert second_submitted.is_set() and writer.wait() is None
+    first = SafeCheckpointIO().load_checkpoint(tmp_path / "1.ckpt")
+    assert torch.equal(first["state_dict"]["w"], torch.zeros(1000)), "the reused buffer corrupted an earlier write"
+    assert torch.equal(
+        SafeCheckpointIO().load_checkpoint(tmp_path / "2.ckpt")["state_dict"]["w"], torch.full((1000,), 2.0)
+    )
+
+
+def test_buffer_reuse_across_saves_and_opt_out(tmp_path: Path):
+    weights = torch.zeros(256)
+    for reuse in (True, False):
+        writer = AsyncCheckpointWriter(SafeCheckpointIO(), reuse_buffers=reuse)
+        pointers = []
+        for step in range(3):
+            weights.fill_(step)
+            assert writer.submit({"state_dict": {"w": weights}}, str(tmp_path / f"{reuse}-{step}.ckpt")) is None
+            assert writer.wait() is None
+            pointers.append(writer._buffers["state_dict"]["w"].data_ptr() if reuse else writer._buffers)
+        for step in range(3):
+            loaded = SafeCheckpointIO().load_checkpoint(tmp_path / f"{reuse}-{step}.ckpt")
+            assert torch.equal(loaded["state_dict"]["w"], torch.full((256,), float(step)))
+        if reuse:
+            assert len(set(pointers)) == 1  # one buffer, written three times
+            writer.release_buffers()
+        assert writer._buffers is None and (reuse or pointers == [None, None, None])

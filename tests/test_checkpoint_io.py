@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ def test_verify_returns_a_correct_integrity_record(saved: tuple[Path, dict[str, 
     data = path.read_bytes()
     record = verify(str(path))
     assert record is not None
-    assert record.format_version == FORMAT_VERSION == 1
+    assert record.format_version == FORMAT_VERSION == 2
     assert record.global_step == 4
     assert record.epoch == 1
     assert record.world_size == 2
@@ -155,7 +156,7 @@ def test_verify_returns_a_correct_integrity_record(saved: tuple[Path, dict[str, 
         "world_size": 2,
         "writer": record.writer,
     }
-    assert record.checksum == "sha256:" + hashlib.sha256(data[: record.payload_bytes]).hexdigest()
+    assert record.checksum == f"crc32:{zlib.crc32(data[: record.payload_bytes]):08x}"
 
 
 def test_record_leaves_out_non_integer_metadata(tmp_path: Path, checkpoint_io: SafeCheckpointIO) -> None:
@@ -363,7 +364,7 @@ def _flip_record_byte(data: bytes, payload: int) -> bytes:
 
 def _flip_checksum_digit(data: bytes, payload: int) -> bytes:
     start, end = record_bounds(data)
-    at = data.index(b"sha256:", start, end) + len("sha256:") + 10
+    at = data.index(b'"checksum": "', start, end) + len('"checksum": "') + 10  # a hex digit of either algorithm
     damaged = bytearray(data)
     damaged[at] = ord("0") if damaged[at] != ord("0") else ord("1")
     return bytes(damaged)
@@ -491,6 +492,193 @@ def test_non_dict_payload_is_rejected(tmp_path: Path, checkpoint_io: SafeCheckpo
         checkpoint_io.load_checkpoint(path)
 
 
+# --------------------------------------------------------------------------------------------------- format versions
+
+
+def big_checkpoint() -> dict[str, Any]:
+    """Tensors above HashingWriter's 1 MiB threshold (their CRC-32 comes from the zip directory), small ones, a view."""
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(1024, 1024, generator=generator)  # 4 MiB
+    return {
+        "state_dict": {
+            "big": base,
+            "big_view_t": base.t(),  # shares the storage: one zip record
+            "other": torch.randn(600_000, generator=generator, dtype=torch.float64),  # 4.6 MiB
+            "small": torch.arange(10),
+            "half": torch.randn(300_000, generator=generator).half(),  # 600 KB: hashed as it passes
+        },
+        "global_step": 7,
+        "epoch": 2,
+    }
+
+
+def write_format_1_file(path: Path, checkpoint: dict[str, Any]) -> bytes:
+    """A checkpoint exactly as ddp_strategy wrote it before format 2 (SHA-256), built by hand from the layout."""
+    import io as stdio
+
+    buffer = stdio.BytesIO()
+    torch.save(checkpoint, buffer)
+    payload = buffer.getvalue()
+    record = json.dumps(
+        {
+            "format_version": 1,
+            "payload_bytes": len(payload),
+            "checksum": "sha256:" + hashlib.sha256(payload).hexdigest(),
+            "global_step": checkpoint.get("global_step"),
+            "epoch": checkpoint.get("epoch"),
+            "world_size": None,
+            "writer": "ddp_strategy 0.1.0",
+        },
+        sort_keys=True,
+    ).encode()
+    data = payload + record + TRAILER.pack(len(record), hashlib.sha256(record).digest()[:8], MAGIC)
+    path.write_bytes(data)
+    return data
+
+
+def test_format_1_files_still_verify_and_load(tmp_path: Path, checkpoint_io: SafeCheckpointIO) -> None:
+    path = tmp_path / "old.ckpt"
+    checkpoint = make_checkpoint(global_step=11)
+    write_format_1_file(path, checkpoint)
+    record = verify(str(path))
+    assert record is not None
+    assert record.format_version == 1 and record.checksum.startswith("sha256:") and record.global_step == 11
+    assert_same(checkpoint_io.load_checkpoint(path), checkpoint)
+
+
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate_payload_end, _flip_checksum_digit])
+def test_damaged_format_1_file_fails(tmp_path: Path, checkpoint_io: SafeCheckpointIO, damage: Any) -> None:
+    path = tmp_path / "old.ckpt"
+    data = write_format_1_file(path, make_checkpoint())
+    start, _ = record_bounds(data)
+    path.write_bytes(damage(data, start))
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(str(path))):
+        verify(str(path))
+    with pytest.raises(CheckpointIntegrityError, match=re.escape(str(path))):
+        checkpoint_io.load_checkpoint(path)
+
+
+def test_sha256_writer_writes_format_1(tmp_path: Path) -> None:
+    path = tmp_path / "sha.ckpt"
+    checkpoint = big_checkpoint()
+    SafeCheckpointIO(checksum="sha256").save_checkpoint(checkpoint, path)
+    data = path.read_bytes()
+    record = verify(str(path))
+    assert record is not None and record.format_version == 1
+    assert record.checksum == "sha256:" + hashlib.sha256(data[: record.payload_bytes]).hexdigest()
+    assert_same(SafeCheckpointIO().load_checkpoint(path), checkpoint)
+
+
+def test_unknown_checksum_algorithm_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="md5"):
+        SafeCheckpointIO(checksum="md5")
+
+
+def test_newer_format_is_reported_as_newer(tmp_path: Path, saved: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = saved
+    data = path.read_bytes()
+    start, end = record_bounds(data)
+    fields = json.loads(data[start:end])
+    fields.update(format_version=FORMAT_VERSION + 1, checksum="blake3:00", new_field=[1, 2])
+    record = json.dumps(fields, sort_keys=True).encode()
+    path.write_bytes(data[:start] + record + TRAILER.pack(len(record), hashlib.sha256(record).digest()[:8], MAGIC))
+    with pytest.raises(CheckpointIntegrityError, match=f"uses integrity format {FORMAT_VERSION + 1}, newer"):
+        verify(str(path))
+
+
+@pytest.mark.parametrize("torch_zip_crcs", [True, False], ids=["zip-crcs", "zip-crcs-off"])
+def test_crc32_of_large_tensors_matches_the_bytes_on_disk(
+    tmp_path: Path, checkpoint_io: SafeCheckpointIO, torch_zip_crcs: bool
+) -> None:
+    """The record's CRC-32, combined from the zip directory's record CRCs, is that of the payload's bytes.
+
+    With torch's zip CRCs switched off (all zero), the writer reads the large writes back instead.
+    """
+    path = tmp_path / "big.ckpt"
+    checkpoint = big_checkpoint()
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(torch_zip_crcs)
+    try:
+        checkpoint_io.save_checkpoint(checkpoint, path)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    data = path.read_bytes()
+    record = verify(str(path))
+    assert record is not None and record.format_version == 2
+    assert record.checksum == f"crc32:{zlib.crc32(data[: record.payload_bytes]):08x}"
+    assert_same(checkpoint_io.load_checkpoint(path), checkpoint)
+    # damage inside the largest tensor's bytes (whose CRC the writer never computed itself) is caught
+    damaged = bytearray(data)
+    damaged[record.payload_bytes // 2] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointIntegrityError, match="does not match its checksum"):
+        verify(str(path))
+
+
+def test_hashing_writer_without_read_back_hashes_everything(tmp_path: Path) -> None:
+    from ddp_strategy.checkpoint.format import HashingWriter
+
+    path = tmp_path / "payload.bin"
+    with open(path, "wb") as file:  # write-only: nothing can be read back, so every byte is hashed as it passes
+        writer = HashingWriter(file)
+        torch.save(big_checkpoint(), writer)  # type: ignore[arg-type]
+        checksum = writer.finish()
+    assert checksum == f"crc32:{zlib.crc32(path.read_bytes()):08x}"
+
+
+def test_large_writes_that_are_not_zip_records_are_read_back() -> None:
+    import io as stdio
+
+    from ddp_strategy.checkpoint.format import HashingWriter
+
+    buffer = stdio.BytesIO()
+    writer = HashingWriter(buffer, defer_large=True, piece_bytes=1 << 20)
+    rng = random.Random(3)
+    for size in (10, 3 << 20, 7, 2 << 20, 5):  # no zip archive at all: the deferred writes are read back
+        writer.write(rng.randbytes(size))
+    assert writer.finish() == f"crc32:{zlib.crc32(buffer.getvalue()):08x}"
+    assert writer.bytes_written == len(buffer.getvalue())
+
+
+def test_crc32_combine_matches_zlib() -> None:
+    from ddp_strategy.checkpoint.format import crc32_combine
+
+    rng = random.Random(9)
+    for first, second in [(0, 0), (0, 5), (5, 0), (1, 1), (1000, 3), (3, 1 << 16), (777, 123_457)]:
+        a, b = rng.randbytes(first), rng.randbytes(second)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_save_starts_write_back_early_and_survives_its_failure(
+    tmp_path: Path, checkpoint_io: SafeCheckpointIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddp_strategy.checkpoint import atomic
+
+    calls: list[tuple[int, int, int]] = []
+
+    def record_call(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes, flags))
+        return 0
+
+    monkeypatch.setattr(atomic, "_sync_file_range", record_call)
+    checkpoint = big_checkpoint()
+    checkpoint_io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert calls and all(flags == 2 for _, _, flags in calls)  # SYNC_FILE_RANGE_WRITE only: never waits
+    assert [offset for offset, _, _ in calls] == sorted(offset for offset, _, _ in calls)
+    assert verify(str(tmp_path / "a.ckpt")) is not None
+
+    failures: list[int] = []
+
+    def failing(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        failures.append(offset)
+        return -1  # e.g. a filesystem without support: the final fsync does all the work
+
+    monkeypatch.setattr(atomic, "_sync_file_range", failing)
+    checkpoint_io.save_checkpoint(checkpoint, tmp_path / "b.ckpt")
+    assert len(failures) == 1  # not retried
+    assert_same(checkpoint_io.load_checkpoint(tmp_path / "b.ckpt"), checkpoint)
+
+
 # --------------------------------------------------------------------------------------------------- safe loading
 
 
@@ -536,7 +724,7 @@ def test_memory_filesystem_round_trip(memory_fs: fsspec.AbstractFileSystem, chec
     assert record is not None
     assert (record.global_step, record.epoch, record.world_size) == (12, 3, 2)
     data = memory_fs.cat_file("/ckpts/a.ckpt")
-    assert record.checksum == "sha256:" + hashlib.sha256(data[: record.payload_bytes]).hexdigest()
+    assert record.checksum == f"crc32:{zlib.crc32(data[: record.payload_bytes]):08x}"
 
     assert_same(checkpoint_io.load_checkpoint(url), checkpoint)
 

@@ -1,10 +1,14 @@
 """Asynchronous checkpoint writes: snapshot to CPU memory, write in a background thread, one write in flight.
 
 Training is blocked only for the snapshot (a copy of every tensor to CPU memory, so later optimizer steps cannot
-change what is being written). The write itself (``CheckpointIO.save_checkpoint``, atomic and verified) runs in
-a background thread. A new submission first waits for the previous write, so at most one is in flight and the
-writes land in order. Removals of old checkpoints requested while a write is in flight are deferred until that
-write has succeeded, so an old checkpoint is never deleted before its replacement is complete.
+change what is being written). The snapshot's CPU tensors are kept and reused by the next save when its tensors
+have the same shapes, dtypes and strides (the usual case): copying into memory that is already mapped costs a
+fraction of allocating and page-faulting a fresh copy every time, at the price of holding one CPU copy of the
+checkpoint's tensors while the writer exists. They are only overwritten after the previous write has finished.
+The write itself (``CheckpointIO.save_checkpoint``, atomic and verified) runs in a background thread. A new
+submission first waits for the previous write, so at most one is in flight and the writes land in order. Removals
+of old checkpoints requested while a write is in flight are deferred until that write has succeeded, so an old
+checkpoint is never deleted before its replacement is complete.
 """
 
 from __future__ import annotations
@@ -21,18 +25,44 @@ from ddp_strategy.errors import DDPStrategyError
 __all__ = ["AsyncCheckpointWriter", "snapshot"]
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors are detached CPU copies (containers are rebuilt, other values shared)."""
+def _reusable(buffer: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``buffer`` (a tensor of an earlier snapshot) can take a copy of ``tensor`` in place."""
+    return (
+        isinstance(buffer, torch.Tensor)
+        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg())
+        and buffer.device.type == "cpu"
+        and buffer.dtype == tensor.dtype
+        and buffer.shape == tensor.shape
+        and buffer.stride() == tensor.stride()  # a fresh copy would have these strides too (dense layouts only)
+        and buffer.data_ptr() != tensor.data_ptr()
+    )
+
+
+def snapshot(obj: Any, reuse: Any = None) -> Any:
+    """A copy of ``obj`` whose tensors are detached CPU copies (containers are rebuilt, other values shared).
+
+    Args:
+        obj: the checkpoint (or any nesting of dicts, lists and tuples holding tensors).
+        reuse: an earlier snapshot whose tensors may be overwritten. A tensor at the same place in it with the same
+            shape, dtype and strides receives the copy (``copy_``) instead of a newly allocated one. The caller
+            must make sure nothing reads that snapshot any more.
+    """
     if isinstance(obj, torch.Tensor):
+        if _reusable(reuse, obj):
+            return reuse.copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((key, snapshot(value)) for key, value in obj.items())
     if isinstance(obj, dict):
-        return {key: snapshot(value) for key, value in obj.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        items = ((key, snapshot(value, old.get(key))) for key, value in obj.items())
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, list):
-        return [snapshot(value) for value in obj]
+        old_list = reuse if isinstance(reuse, list) and len(reuse) == len(obj) else [None] * len(obj)
+        return [snapshot(value, previous) for value, previous in zip(obj, old_list, strict=True)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(snapshot(value) for value in obj)
+        old_tuple = reuse if isinstance(reuse, tuple) and len(reuse) == len(obj) else (None,) * len(obj)
+        return tuple(snapshot(value, previous) for value, previous in zip(obj, old_tuple, strict=True))
     return obj
 
 
@@ -41,10 +71,14 @@ class AsyncCheckpointWriter:
 
     Args:
         io: the ``CheckpointIO`` that does the actual (synchronous) write and removal.
+        reuse_buffers: keep the last snapshot's CPU tensors and copy the next checkpoint into them (see the module
+            docstring). ``False`` allocates a fresh snapshot per save and frees it when its write has finished.
     """
 
-    def __init__(self, io: CheckpointIO) -> None:
+    def __init__(self, io: CheckpointIO, reuse_buffers: bool = True) -> None:
         self.io = io
+        self.reuse_buffers = reuse_buffers
+        self._buffers: Any = None  # the last snapshot, free for reuse once its write has finished
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._deferred_removals: list[str] = []
@@ -81,12 +115,19 @@ class AsyncCheckpointWriter:
         previous = self.wait()
         if previous is not None:
             return previous
-        frozen = snapshot(checkpoint)
+        frozen = snapshot(checkpoint, self._buffers)  # the previous write has finished: its buffers are free
+        self._buffers = frozen if self.reuse_buffers else None
         self._thread = threading.Thread(
             target=self._write, args=(frozen, path, storage_options), name="ddp_strategy-checkpoint-writer", daemon=True
         )
         self._thread.start()
         return None
+
+    def release_buffers(self) -> None:
+        """Drop the kept snapshot (after the write in flight, if any, has finished); the next save allocates anew."""
+        if self._thread is not None:
+            self._thread.join()
+        self._buffers = None
 
     def remove_checkpoint(self, path: str) -> None:
         """Remove ``path`` now, or after the write in flight has succeeded."""

@@ -229,3 +229,12 @@ def test_killed_rank0_is_named_by_the_surviving_rank(tmp_path):
         run.describe()
     )
     assert "rank 0, which hosts it, has most likely died or exited" in run.output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_that_exited_mid_training_is_named_after_the_backend_error(tmp_path):
+    run, _ = run_hang("exit_rank1_mid_training", tmp_path)
+    assert "[rank0]: RuntimeError: [" in run.output and "gloo" in run.output, run.describe()  # an address, no rank
+    assert "HangWatchdog (rank 0): RuntimeError on this rank, and rank 1 stopped sending heartbeats" in run.output
+    assert "it died or exited. Last seen:\n  rank 1: " in run.output

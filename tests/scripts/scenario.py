@@ -87,6 +87,8 @@ def hang_or_straggle(scenario: str, rank: int, step: int, barrier: Any) -> None:
         if rank == 1:
             os._exit(0)  # gone without an error (an early sys.exit in a rank-dependent branch)
         barrier("after_step_2")
+    if scenario == "exit_rank1_mid_training" and step == 3 and rank == 1:
+        os._exit(0)  # rank 0's next gradient all-reduce fails at once (gloo sees the closed connection)
     if scenario == "sigkill_rank0" and step == 3 and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "slow_rank1" and rank == 1:

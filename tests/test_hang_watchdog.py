@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -96,6 +97,11 @@ def test_summary_groups_ranks_and_names_the_minority():
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         HangWatchdog(**kwargs)
+
+
+def test_survives_pickling_for_the_spawn_launcher():
+    dog = pickle.loads(pickle.dumps(HangWatchdog(5, dump_dir="/tmp/x")))
+    assert dog.timeout == 5 and dog._thread is None and not dog._stop.is_set()
 
 
 def test_two_simulated_ranks_dump_summarise_and_exit(tmp_path, monkeypatch):

@@ -61,10 +61,10 @@ def slow_peer(work: float, backward: float = 0.0):
     """A simulated rank 1 whose windows report ``work`` seconds of work."""
 
     def others(obj: Any) -> list[Any]:
-        if "steps" in obj:  # the end-of-fit gather: every batch
-            n = len(obj["steps"])
-            return [{"host": "peer", "steps": obj["steps"], "data": [0.0] * n, "forward": [work] * n,
-                     "backward": [backward] * n, "other": [0.0] * n}]  # fmt: skip
+        if "step" in obj:  # the end-of-fit gather: every batch
+            n = len(obj["step"])
+            phases = {"data": [0.0] * n, "forward": [work] * n, "backward": [backward] * n, "other": [0.0] * n}
+            return [{"host": "peer", "batch": obj["batch"], "step": obj["step"], **phases}]
         return [{**obj, "host": "peer", "work": work, "forward": work, "backward": backward}]
 
     return others
@@ -153,8 +153,30 @@ def test_per_batch_overhead_is_a_few_microseconds(tmp_path):
     assert per_batch < 100e-6  # generous for a loaded machine; typically a few microseconds
 
 
+def test_a_long_run_keeps_an_evenly_spaced_bounded_history(tmp_path):
+    monitor = StragglerMonitor(every_n_steps=10**9, plot=False, max_batches=8, output_dir=tmp_path)
+    trainer = fake_trainer(tmp_path)
+    monitor.on_fit_start(trainer, None)
+    run_batches(monitor, trainer, 100)
+    kept = list(monitor._history["batch"])
+    assert kept == list(range(0, 100, 16)) and list(monitor._history["step"]) == kept
+    assert all(len(monitor._history[p]) == len(kept) for p in PHASES)
+    assert len(monitor._window["data"]) <= 8  # the window is bounded too
+    monitor.on_train_end(trainer, None)
+    rows = list(csv.DictReader(monitor.csv_path.open()))
+    assert [int(r["batch"]) for r in rows] == kept
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{"every_n_steps": 0}, {"slow_factor": 1.0}, {"slow_factor": "2"}, {"patience": 0}, {"patience": 1.5}]
+    "kwargs",
+    [
+        {"max_batches": 1},
+        {"every_n_steps": 0},
+        {"slow_factor": 1.0},
+        {"slow_factor": "2"},
+        {"patience": 0},
+        {"patience": 1.5},
+    ],
 )
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):

@@ -56,8 +56,8 @@ _LIBRARY_MARKERS = (
     f"{os.sep}pytorch_lightning{os.sep}",
     f"{os.sep}torch{os.sep}",
     f"{os.sep}torchmetrics{os.sep}",
-    f"{os.sep}threading.py",
 )
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _C10D_COLLECTIVES = frozenset(
     {
         "all_gather",
@@ -104,7 +104,9 @@ def _text(frame: Frame) -> str:
 
 def _is_user(frame: Frame) -> bool:
     path = frame[0]
-    return not path.startswith(_PACKAGE_DIR) and not any(marker in path for marker in _LIBRARY_MARKERS)
+    if path.startswith(_PACKAGE_DIR) or (path.startswith(_STDLIB_DIR) and "-packages" not in path):
+        return False
+    return not any(marker in path for marker in _LIBRARY_MARKERS)
 
 
 def _frames(frame: FrameType | None) -> list[Frame]:
@@ -314,6 +316,18 @@ class HangWatchdog(Callback):
         self._rank = 0
         self._world_size = 1
         self._folder = Path("hang_dumps")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The spawn launcher pickles the Trainer with its callbacks: leave the thread, events and store behind.
+        state = dict(self.__dict__)
+        for name in ("_stop", "_firing", "_thread", "_trainer", "_control", "_store"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stop, self._firing = threading.Event(), threading.Event()
+        self._thread = self._trainer = self._control = self._store = None
 
     # ------------------------------------------------------------------ life cycle
     @override

@@ -63,6 +63,8 @@ class StragglerMonitor(Callback):
             too, for runs shorter than that).
         output_dir: where the CSV and the PNG go. Default: ``<trainer.default_root_dir>/straggler``.
         plot: write the PNG (needs matplotlib; skipped with a warning when it is missing).
+        max_batches: at most this many batches per rank are kept for the CSV and the plot; a longer run keeps an
+            evenly spaced subset (every 2nd, 4th, ... batch), so memory and the final gather stay bounded.
 
     Raises:
         ValueError: an argument is out of range.
@@ -82,6 +84,7 @@ class StragglerMonitor(Callback):
         patience: int = 3,
         output_dir: str | os.PathLike[str] | None = None,
         plot: bool = True,
+        max_batches: int = 10_000,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be a positive integer, got {every_n_steps!r}.")
@@ -89,6 +92,9 @@ class StragglerMonitor(Callback):
             raise ValueError(f"`slow_factor` must be a number above 1 (e.g. 1.5), got {slow_factor!r}.")
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
             raise ValueError(f"`patience` must be a positive integer, got {patience!r}.")
+        if not isinstance(max_batches, int) or isinstance(max_batches, bool) or max_batches < 2:
+            raise ValueError(f"`max_batches` must be an integer of at least 2, got {max_batches!r}.")
+        self.max_batches = max_batches
         self.every_n_steps = every_n_steps
         self.slow_factor = float(slow_factor)
         self.patience = patience
@@ -100,9 +106,11 @@ class StragglerMonitor(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._steps = array("q")
-        self._times: dict[str, array[float]] = {phase: array("d") for phase in PHASES}
-        self._window_start = 0
+        self._window: dict[str, array[float]] = {phase: array("d") for phase in PHASES}
+        self._history: dict[str, array[Any]] = {"batch": array("q"), "step": array("q")}
+        self._history.update({phase: array("d") for phase in PHASES})
+        self._batches = 0
+        self._stride = 1
         self._last_checked = -1
         self._strikes: dict[int, int] = {}
         self._last_end: float | None = None
@@ -152,27 +160,42 @@ class StragglerMonitor(Callback):
         start = self._start
         forward_end = self._before_backward if self._before_backward is not None else end
         backward_end = self._after_backward if self._after_backward is not None else forward_end
-        times = self._times
-        times["data"].append(start - self._last_end if self._last_end is not None else 0.0)
-        times["forward"].append(forward_end - start)
-        times["backward"].append(backward_end - forward_end)
-        times["other"].append(end - backward_end)
-        self._steps.append(self._step)
+        values = (start - self._last_end if self._last_end is not None else 0.0, forward_end - start,
+                  backward_end - forward_end, end - backward_end)  # fmt: skip
+        window = self._window
+        for phase, value in zip(PHASES, values, strict=True):
+            window[phase].append(value)
+        if len(window["data"]) > self.max_batches:  # every_n_steps > max_batches: keep the recent half
+            for series in window.values():
+                del series[: len(series) // 2]
+        if self._batches % self._stride == 0:
+            self._keep(values)
+        self._batches += 1
         self._last_end = end
         step = trainer.global_step
         if step > 0 and step % self.every_n_steps == 0 and step != self._last_checked:
             self._last_checked = step
             self._compare(trainer, step)
 
+    def _keep(self, values: tuple[float, ...]) -> None:
+        history = self._history
+        history["batch"].append(self._batches)
+        history["step"].append(self._step)
+        for phase, value in zip(PHASES, values, strict=True):
+            history[phase].append(value)
+        if len(history["batch"]) > self.max_batches:  # keep every other one, and from now on every 2*stride-th
+            for key, series in history.items():
+                history[key] = series[::2]
+            self._stride *= 2
+
     # ------------------------------------------------------------------ the periodic comparison
-    def _window(self) -> dict[str, Any]:
-        lo = self._window_start
-        self._window_start = len(self._steps)
-        medians = {phase: _median(self._times[phase][lo:]) for phase in PHASES}
-        work = [
-            sum(self._times[p][i] for p in PHASES) - self._times["backward"][i] for i in range(lo, len(self._steps))
-        ]
-        total = [sum(self._times[p][i] for p in PHASES) for i in range(lo, len(self._steps))]
+    def _take_window(self) -> dict[str, Any]:
+        window = self._window
+        self._window = {phase: array("d") for phase in PHASES}
+        n = len(window["data"])
+        medians = {phase: _median(window[phase]) for phase in PHASES}
+        total = [sum(window[p][i] for p in PHASES) for i in range(n)]
+        work = [total[i] - window["backward"][i] for i in range(n)]
         return {
             "host": socket.gethostname(),
             "batches": len(work),
@@ -195,7 +218,7 @@ class StragglerMonitor(Callback):
         return [obj] if trainer.is_global_zero else None
 
     def _compare(self, trainer: pl.Trainer, step: int) -> None:
-        gathered = self._gather(trainer, self._window(), name=f"straggler:step-{step}")
+        gathered = self._gather(trainer, self._take_window(), name=f"straggler:step-{step}")
         if gathered is None:
             return
         slow = self._slow(gathered)
@@ -257,7 +280,7 @@ class StragglerMonitor(Callback):
     # ------------------------------------------------------------------ end of fit
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mine = {"host": socket.gethostname(), "steps": self._steps, **{p: self._times[p] for p in PHASES}}
+        mine = {"host": socket.gethostname(), **self._history}
         gathered = self._gather(trainer, mine, name="straggler:final")
         if gathered is None:
             return
@@ -273,7 +296,7 @@ class StragglerMonitor(Callback):
 
     @staticmethod
     def _overall(record: dict[str, Any]) -> dict[str, Any]:
-        n = len(record["steps"])
+        n = len(record["step"])
         total = [sum(record[p][i] for p in PHASES) for i in range(n)]
         work = [total[i] - record["backward"][i] for i in range(n)]
         return {
@@ -290,10 +313,10 @@ class StragglerMonitor(Callback):
             writer = csv.writer(f)
             writer.writerow(["rank", "host", "batch", "global_step", *(f"{p}_s" for p in PHASES), "total_s", "work_s"])
             for rank, record in enumerate(gathered):
-                for i, step in enumerate(record["steps"]):
+                for i, (batch, step) in enumerate(zip(record["batch"], record["step"], strict=True)):
                     values = [record[p][i] for p in PHASES]
                     total = sum(values)
-                    row = [rank, record["host"], i, step, *(f"{v:.6f}" for v in values)]
+                    row = [rank, record["host"], batch, step, *(f"{v:.6f}" for v in values)]
                     writer.writerow([*row, f"{total:.6f}", f"{total - record['backward'][i]:.6f}"])
         return path
 
@@ -309,10 +332,11 @@ class StragglerMonitor(Callback):
         world = len(gathered)
         ranks = list(range(world))
         slow = set(self.slow_ranks)
-        fig = Figure(figsize=(max(9.0, 3.0 + 0.6 * world), 4.8), layout="constrained")
+        fig = Figure(figsize=(min(24.0, max(9.0, 3.0 + 0.6 * world)), 4.8), layout="constrained")
+        every = max(1, world // 32)  # tick labels for at most ~32 ranks per panel
         left, right = fig.subplots(1, 2)
         work = [
-            [1000 * (sum(record[p][i] for p in PHASES) - record["backward"][i]) for i in range(len(record["steps"]))]
+            [1000 * (sum(record[p][i] for p in PHASES) - record["backward"][i]) for i in range(len(record["step"]))]
             for record in gathered
         ]
         boxes = left.boxplot(work, positions=ranks, widths=0.6, patch_artist=True, showfliers=True)
@@ -323,7 +347,10 @@ class StragglerMonitor(Callback):
         left.axhline(
             median_work, color="grey", linestyle="--", linewidth=1, label=f"median of ranks {median_work:.1f} ms"
         )
-        left.set_xticks(ranks, [f"rank {r}" + (" (slow)" if r in slow else "") for r in ranks])
+        shown = [r for r in ranks if r % every == 0 or r in slow]
+        left.set_xticks(
+            shown, [f"rank {r}" + (" (slow)" if r in slow else "") for r in shown], rotation=90 * (every > 1)
+        )
         left.set_ylabel("ms per batch")
         left.set_title("Work per batch (data + forward + optimizer),\nexcluding the gradient-sync wait")
         left.legend(loc="upper left")
@@ -339,7 +366,7 @@ class StragglerMonitor(Callback):
             heights = [1000 * o[phase] for o in overall]
             right.bar(ranks, heights, bottom=bottom, color=colours[phase], label=labels[phase], width=0.6)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        right.set_xticks(ranks, [f"rank {r}" for r in ranks])
+        right.set_xticks(shown, [f"rank {r}" for r in shown], rotation=90 * (every > 1))
         right.set_ylim(0, 1.4 * max(bottom) if max(bottom) > 0 else 1.0)  # room for the legend
         right.set_ylabel("median ms per batch")
         right.set_title("Where each rank's batch time goes (medians)")

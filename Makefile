@@ -19,7 +19,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
-	$(PY) -m pip install --upgrade-strategy only-if-needed -c constraints.txt -e ".[dev,examples]"
+	$(PY) -m pip install --upgrade-strategy only-if-needed -c constraints.txt -e ".[dev,examples,plots]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,6 +14,7 @@ from ddp_strategy.errors import (
     DuplicateDeviceError,
     RankDivergenceError,
     SetupMismatchError,
+    UnevenEvaluationError,
     UnsafeCheckpointError,
 )
 from ddp_strategy.strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
@@ -28,6 +29,7 @@ __all__ = [
     "RankDivergenceError",
     "SafeDDPStrategy",
     "SetupMismatchError",
+    "UnevenEvaluationError",
     "UnsafeCheckpointError",
     "__version__",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "DuplicateDeviceError",
     "RankDivergenceError",
     "SetupMismatchError",
+    "UnevenEvaluationError",
     "UnsafeCheckpointError",
 ]
 
@@ -109,6 +110,14 @@ class UnsafeCheckpointError(DDPStrategyError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class UnevenEvaluationError(DDPStrategyError):
+    """A per-step collective was called during evaluation while ranks run different numbers of steps.
+
+    With exact evaluation every sample goes to one rank, so ranks can take different numbers of evaluation steps;
+    a collective inside a step (``self.log(..., on_step=True, sync_dist=True)``, ``self.all_gather``) would hang.
+    """
 
 
 class CheckpointWriteError(DDPStrategyError):

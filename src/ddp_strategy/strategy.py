@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +19,10 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection, _in
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy.checkpoint import protocol
@@ -26,6 +31,9 @@ from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
 from ddp_strategy.errors import CheckpointWriteError
+from ddp_strategy.evaluation.coordinator import ExactEvaluation
+from ddp_strategy.evaluation.loops import install_exact_loops
+from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
 from ddp_strategy.handshake import RankFacts, check_devices, check_facts, collect_facts, seed_report
 from ddp_strategy.positions import call_site
 from ddp_strategy.sampling import skip_consumed_batches
@@ -75,6 +83,11 @@ class SafeDDPStrategy(DDPStrategy):
         save_on: ``"global_zero"`` (default): global rank 0 writes the one checkpoint; ranks that cannot see it at
             load time (a disk other nodes do not share) receive it from rank 0. ``"node_zero"``: local rank 0 of
             every node writes its own copy, for nodes without a shared filesystem.
+        exact_evaluation: give every validation/test/predict sample to exactly one rank (no padded duplicates),
+            let ranks with an empty shard take part in the epoch-end metric sync, and return predictions in
+            dataset order. Default: ``True``. ``False`` keeps Lightning's padded ``DistributedSampler``.
+        predictions_on: with exact evaluation, where ``trainer.predict`` returns all predictions in dataset order:
+            ``"global_zero"`` (default; other ranks get their own share) or ``"all"``.
         **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
 
     Raises:
@@ -92,6 +105,8 @@ class SafeDDPStrategy(DDPStrategy):
         heartbeat_interval: float = 1.0,
         async_save: bool = False,
         save_on: str = "global_zero",
+        exact_evaluation: bool = True,
+        predictions_on: str = "global_zero",
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -113,6 +128,9 @@ class SafeDDPStrategy(DDPStrategy):
             raise ValueError(f"`save_on` must be one of {sorted(_SAVE_ON)}, got {save_on!r}.")
         self.save_on = save_on
         self._writer: AsyncCheckpointWriter | None = None  # rank 0's background writer when async_save
+        self.exact_evaluation = exact_evaluation
+        self._exact = ExactEvaluation(self._control_plane_or_none, predictions_on=predictions_on)
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -129,6 +147,9 @@ class SafeDDPStrategy(DDPStrategy):
             )
 
     # ------------------------------------------------------------------ life cycle
+    def _control_plane_or_none(self) -> ControlPlane | None:  # a bound method, so the strategy still pickles
+        return self._control
+
     @property
     def control_plane(self) -> ControlPlane | None:
         """The control plane, available between ``setup_environment`` and ``teardown``."""
@@ -195,10 +216,17 @@ class SafeDDPStrategy(DDPStrategy):
             # is destroyed when the process exits.
             atexit.register(_destroy_dist_connection)
 
+    @property
+    def exact_evaluation_coordinator(self) -> ExactEvaluation | None:
+        """The exact-evaluation coordinator while it is in effect (``exact_evaluation`` and several ranks)."""
+        return self._exact if self.exact_evaluation and self.world_size > 1 else None
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._handshake_done = False
+        if self.exact_evaluation and self.world_size > 1:
+            self._install_exact_evaluation(trainer)
 
     @override
     def on_train_start(self) -> None:
@@ -211,18 +239,21 @@ class SafeDDPStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         if not self._handshake_done:
             self._run_handshake("validate")
+        self._sync_buffers_before_evaluation()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
         if not self._handshake_done:
             self._run_handshake("test")
+        self._sync_buffers_before_evaluation()
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
         if not self._handshake_done:
             self._run_handshake("predict")
+        self._sync_buffers_before_evaluation()
         super().on_predict_start()
 
     @override
@@ -268,6 +299,97 @@ class SafeDDPStrategy(DDPStrategy):
             super().barrier(name)
             return
         self._control.barrier(name, site=call_site(skip=2))
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Reduce ``tensor`` over ranks, as ``DDPStrategy.reduce``, with two differences.
+
+        A mean of an integer tensor is returned in floating point: Lightning truncates it, in place, so that a
+        ``self.log(..., sync_dist=True)`` mean over uneven batch counts (say 5 and 4 samples) was wrong. And inside
+        an evaluation step whose ranks take different numbers of steps it raises
+        :class:`~ddp_strategy.errors.UnevenEvaluationError` instead of hanging.
+        """
+        if isinstance(tensor, Tensor):
+            if self.exact_evaluation_coordinator is not None:
+                self._exact.check_collective("`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)")
+            if str(reduce_op).lower() in ("mean", "avg") and not torch.is_floating_point(tensor):
+                tensor = tensor.double()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self.exact_evaluation_coordinator is not None:
+            self._exact.check_collective("`all_gather` (e.g. `self.all_gather`)")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ exact evaluation
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _evaluation_step(
+        self, hook: str, context: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        # With exact evaluation the ranks take different numbers of steps, so the step must not go through the
+        # DDP wrapper's forward (its first call broadcasts buffers: a hidden collective). The buffers are synced
+        # once, by every rank, when the loop starts (see `_sync_buffers_before_evaluation`).
+        if self.exact_evaluation_coordinator is None:
+            return getattr(super(), hook)(*args, **kwargs)
+        assert self.lightning_module is not None
+        with context(), self._exact.step(hook):
+            return getattr(self.lightning_module, hook)(*args, **kwargs)
+
+    def _sync_buffers_before_evaluation(self) -> None:
+        """Do, on every rank at once, the buffer broadcast DDP would do in the first evaluation forward."""
+        model = self.model
+        if self.exact_evaluation_coordinator is None or not isinstance(model, DistributedDataParallel):
+            return
+        if model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
+            model._sync_buffers()  # type: ignore[no-untyped-call]
+        model.require_forward_param_sync = False  # as after DDP's own forward without gradients
+
+    def _install_exact_evaluation(self, trainer: pl.Trainer) -> None:
+        custom = install_exact_loops(trainer)
+        if custom:
+            self.exact_evaluation = False
+            rank_zero_warn(
+                f"ddp_strategy: exact evaluation is off because these Trainer loops are customised: {custom}. "
+                "Evaluation uses Lightning's padded DistributedSampler (samples may be counted twice)."
+            )
+            return
+        connector = trainer._data_connector
+        prepare = connector._prepare_dataloader
+        if getattr(prepare, "__ddp_strategy__", False):
+            return
+
+        def prepare_dataloader(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            if mode == RunningStage.TRAINING or self.exact_evaluation_coordinator is None:
+                return prepare(dataloader, shuffle, mode)
+            if not trainer._accelerator_connector.use_distributed_sampler:
+                return prepare(dataloader, shuffle, mode)  # the user shards by themselves
+            result = shard_evaluation_dataloader(
+                dataloader,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                predicting=mode == RunningStage.PREDICTING,
+                name=f"{mode.dataloader_prefix}_dataloader",
+                seed=int(os.getenv("PL_GLOBAL_SEED", "0")),
+            )
+            if result.warning is not None and result.warning not in self._warned:
+                self._warned.add(result.warning)
+                rank_zero_warn(result.warning)
+            return result.dataloader if result.sharded else prepare(dataloader, shuffle, mode)
+
+        prepare_dataloader.__ddp_strategy__ = True  # type: ignore[attr-defined]
+        connector._prepare_dataloader = prepare_dataloader  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ checkpoints
     @override

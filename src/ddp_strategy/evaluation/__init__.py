@@ -1,0 +1,19 @@
+"""Exact distributed evaluation: every sample evaluated once, metrics equal to the single-device result."""
+
+from ddp_strategy.evaluation.coordinator import PREDICTIONS_ON, ExactEvaluation, interleave_batches
+from ddp_strategy.evaluation.sharding import (
+    BatchShardSampler,
+    RankStridedIterable,
+    SeededPermutationSampler,
+    shard_evaluation_dataloader,
+)
+
+__all__ = [
+    "PREDICTIONS_ON",
+    "BatchShardSampler",
+    "ExactEvaluation",
+    "RankStridedIterable",
+    "SeededPermutationSampler",
+    "interleave_batches",
+    "shard_evaluation_dataloader",
+]

@@ -1,0 +1,155 @@
+"""The cross-rank agreements exact evaluation needs, run by ``SafeDDPStrategy`` on its control plane."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from ddp_strategy.errors import UnevenEvaluationError
+from ddp_strategy.evaluation.logged import active_keys, add_missing_entries, merge_keys
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from ddp_strategy.control import ControlPlane
+
+__all__ = ["PREDICTIONS_ON", "ExactEvaluation", "interleave_batches"]
+
+#: Where ``trainer.predict`` returns the predictions of all ranks.
+PREDICTIONS_ON = frozenset({"global_zero", "all"})
+
+
+def interleave_batches(per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+    """Undo the round-robin dealing of batches: batch ``i`` of the whole run is ``per_rank[i % W][i // W]``.
+
+    Args:
+        per_rank: each rank's batches (or batch outputs), in the order that rank ran them.
+
+    Returns:
+        All batches in the order one device would have run them.
+
+    Raises:
+        ValueError: the shares do not come from round-robin dealing (a later rank holds more than an earlier one).
+
+    """
+    world = len(per_rank)
+    lengths = [len(share) for share in per_rank]
+    if any(lengths[r] < lengths[r + 1] for r in range(world - 1)) or (lengths and lengths[0] - lengths[-1] > 1):
+        raise ValueError(f"Batch counts per rank {lengths} are not a round-robin deal.")
+    total = sum(lengths)
+    return [per_rank[i % world][i // world] for i in range(total)]
+
+
+class ExactEvaluation:
+    """Exact-evaluation state of one strategy: step-count agreement, logged-key agreement, prediction gathering.
+
+    Args:
+        control: a callable returning the strategy's control plane (``None`` outside a run).
+        predictions_on: ``"global_zero"``: ``trainer.predict`` returns every rank's predictions, in dataset
+            order, on global rank 0 (other ranks get their own share); ``"all"``: on every rank.
+
+    """
+
+    def __init__(self, control: Callable[[], ControlPlane | None], *, predictions_on: str = "global_zero") -> None:
+        if predictions_on not in PREDICTIONS_ON:
+            raise ValueError(f"`predictions_on` must be one of {sorted(PREDICTIONS_ON)}, got {predictions_on!r}.")
+        self._control = control
+        self.predictions_on: Literal["global_zero", "all"] = predictions_on  # type: ignore[assignment]
+        #: Batches per dataloader on each rank in the current evaluation loop.
+        self.batches_per_rank: list[list[float]] = []
+        self._in_step: str | None = None
+
+    # ------------------------------------------------------------------ step counts
+    def on_loop_start(self, max_batches: Sequence[int | float]) -> None:
+        """Learn every rank's batch counts (one small gather) so per-step collectives can be checked."""
+        control = self._control()
+        if control is None:
+            self.batches_per_rank = []
+            return
+        counts = [float(count) for count in max_batches]
+        self.batches_per_rank = control.all_gather_object(counts, name="exact-eval:batch-counts")
+
+    @property
+    def steps_uneven(self) -> bool:
+        """Whether ranks take different numbers of evaluation steps (or a count is unknown) in this loop."""
+        if not self.batches_per_rank:
+            return False
+        totals = [sum(counts) for counts in self.batches_per_rank]
+        return any(math.isinf(total) for total in totals) or len(set(totals)) > 1
+
+    def dataloaders_with_batches(self) -> list[int]:
+        """Indices of the current loop's dataloaders in which at least one rank has a batch."""
+        if not self.batches_per_rank:
+            return []
+        return [i for i, counts in enumerate(zip(*self.batches_per_rank, strict=True)) if any(c > 0 for c in counts)]
+
+    @contextmanager
+    def step(self, hook: str) -> Iterator[None]:
+        """Mark the body as an evaluation step (``validation_step``/``test_step``/``predict_step``)."""
+        self._in_step, previous = hook, self._in_step
+        try:
+            yield
+        finally:
+            self._in_step = previous
+
+    def check_collective(self, what: str) -> None:
+        """Raise before a data-plane collective that would deadlock inside an uneven evaluation step.
+
+        Raises:
+            UnevenEvaluationError: called inside an evaluation step while ranks take different step counts.
+
+        """
+        if self._in_step is None or not self.steps_uneven:
+            return
+        counts = ", ".join(
+            f"rank {rank}: {'unknown' if math.isinf(sum(c)) else int(sum(c))}"
+            for rank, c in enumerate(self.batches_per_rank)
+        )
+        raise UnevenEvaluationError(
+            f"{what} was called inside `{self._in_step}`, but with exact evaluation the ranks run different numbers "
+            f"of steps ({counts}), so a per-step collective would wait forever on the ranks that finished. "
+            "Log epoch values instead: `self.log(name, value, on_step=False, on_epoch=True, sync_dist=True)` gives "
+            "the sample-weighted mean over all ranks, or log a torchmetrics Metric; for a per-rank step value use "
+            "`sync_dist=False`."
+        )
+
+    # ------------------------------------------------------------------ logged values
+    def agree_on_logged_keys(self, results: dict[str, Any], trainer: pl.Trainer) -> None:
+        """Make every rank hold the same logged entries, in the same order, before epoch values are computed."""
+        control = self._control()
+        if control is None:
+            return
+        mine = active_keys(results, dataloader_idx=getattr(results, "dataloader_idx", None))
+        everyone = control.all_gather_object(mine, name="exact-eval:logged-keys")
+        if all(keys == mine for keys in everyone):
+            return
+        module = trainer.lightning_module
+        add_missing_entries(
+            results,
+            merge_keys(everyone),
+            module=module,
+            sync_fn=trainer.strategy.reduce,
+            device=trainer.strategy.root_device,
+        )
+
+    # ------------------------------------------------------------------ predictions
+    def gather_predictions(self, results: Any, *, num_dataloaders: int) -> Any:
+        """Every rank's predictions in dataset order, on rank 0 (or on all ranks with ``predictions_on="all"``)."""
+        control = self._control()
+        if control is None:
+            return results
+        shares = [results] if num_dataloaders == 1 else list(results)
+        shares = move_data_to_device(shares, torch.device("cpu"))
+        if self.predictions_on == "all":
+            gathered: list[Any] | None = control.all_gather_object(shares, name="exact-eval:predictions")
+        else:
+            gathered = control.gather_object(shares, name="exact-eval:predictions")
+        if gathered is None:  # not the destination rank: keep this rank's own share
+            return results
+        ordered = [interleave_batches([rank_shares[i] for rank_shares in gathered]) for i in range(num_dataloaders)]
+        return ordered[0] if num_dataloaders == 1 else ordered

@@ -1,0 +1,248 @@
+"""Exact sharding of evaluation data: every sample to exactly one rank, no padding, no dropping.
+
+Stock Lightning gives each rank a :class:`~torch.utils.data.DistributedSampler`, which pads the shares to equal
+length with repeated samples. Here the devices=1 batches are rebuilt (the user's batch size, ``drop_last`` and
+batch sampler, over the user's sampler) and *whole batches* are dealt to the ranks round-robin: batch ``i`` goes to
+rank ``i % world_size``. Each rank therefore sees exactly the batches a single device would see (same composition,
+same numerics), shards may be uneven or empty, and the original order is recovered by interleaving.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+__all__ = [
+    "BatchShardSampler",
+    "RankStridedIterable",
+    "SeededPermutationSampler",
+    "ShardResult",
+    "shard_evaluation_dataloader",
+]
+
+
+class SeededPermutationSampler(Sampler[int]):
+    """A shuffled order that every rank computes identically: a permutation seeded with ``seed + epoch``.
+
+    Replaces a ``RandomSampler`` (whose order comes from each process's own RNG) in evaluation, so that dealing
+    batches to ranks neither repeats nor drops a sample. The order follows ``DistributedSampler(shuffle=True)``.
+
+    Args:
+        length: number of samples.
+        seed: the seed shared by all ranks.
+
+    """
+
+    def __init__(self, length: int, seed: int = 0) -> None:
+        self.length = length
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of ``epoch``."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.length, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class BatchShardSampler(Sampler[list[int]]):
+    """The devices=1 batches of ``batch_sampler`` dealt round-robin: rank ``r`` gets batches ``r, r+W, r+2W, ...``.
+
+    Args:
+        batch_sampler: the batch sampler a single device would use (yields lists of dataset indices).
+        rank: this process's global rank.
+        world_size: number of ranks.
+
+    """
+
+    def __init__(self, batch_sampler: Any, rank: int, world_size: int) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"Need 0 <= rank < world_size, got rank={rank}, world_size={world_size}.")
+        self.batch_sampler = batch_sampler
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def global_batches(self) -> int | None:
+        """Number of batches over all ranks (what a single device would run), ``None`` if unknown."""
+        return len(self.batch_sampler) if isinstance(self.batch_sampler, Sized) else None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to the batch sampler and its sampler, where they take one."""
+        for target in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if callable(getattr(target, "set_epoch", None)):
+                target.set_epoch(epoch)  # type: ignore[union-attr]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batch_sampler), self.rank, None, self.world_size)
+
+    def __len__(self) -> int:
+        total = self.global_batches
+        if total is None:
+            raise TypeError(f"{type(self.batch_sampler).__name__} has no length")
+        return max(0, (total - self.rank + self.world_size - 1) // self.world_size)
+
+
+class RankStridedIterable(IterableDataset[Any]):
+    """An IterableDataset whose stream is dealt round-robin to ranks: item ``j`` goes to rank ``j % world_size``.
+
+    Striding happens inside each DataLoader worker on that worker's own stream, so a dataset that splits its
+    stream between workers (as PyTorch asks IterableDatasets to do) is still covered exactly once.
+
+    Args:
+        dataset: the wrapped dataset; it must yield the same items in the same order on every rank.
+        rank: this process's global rank.
+        world_size: number of ranks.
+
+    """
+
+    def __init__(self, dataset: IterableDataset[Any], rank: int, world_size: int) -> None:
+        self.dataset = dataset
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), self.rank, None, self.world_size)
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes of the wrapped dataset (e.g. `classes`) stay reachable through the DataLoader.
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What :func:`shard_evaluation_dataloader` did.
+
+    Attributes:
+        dataloader: the dataloader to use (the input when nothing was changed).
+        sharded: whether the dataloader is now sharded exactly by this package.
+        warning: a sentence to show once when exactness cannot be guaranteed, else ``None``.
+
+    """
+
+    dataloader: object
+    sharded: bool
+    warning: str | None = None
+
+
+def _single_device_sampler(sampler: object, dataset: object, seed: int) -> tuple[Sampler[Any], bool]:
+    """The sampler a single device would use, with an order that every rank computes identically.
+
+    Returns:
+        ``(sampler, known)``: the sampler, and whether its order is known to be the same on every rank.
+
+    """
+    if isinstance(sampler, DistributedSampler) and isinstance(dataset, Sized):  # a user-made, padded one
+        if sampler.shuffle:
+            return SeededPermutationSampler(len(dataset), sampler.seed), True
+        return SequentialSampler(dataset), True
+    if isinstance(sampler, RandomSampler) and sampler.generator is None and not sampler.replacement:
+        return SeededPermutationSampler(len(sampler), seed), True
+    return cast(Sampler[Any], sampler), isinstance(sampler, SequentialSampler)
+
+
+def shard_evaluation_dataloader(
+    dataloader: object, *, rank: int, world_size: int, predicting: bool, name: str, seed: int = 0
+) -> ShardResult:
+    """Shard a user's evaluation dataloader so that every sample goes to exactly one rank.
+
+    Called instead of Lightning's distributed-sampler injection, on the dataloader as the user returned it.
+
+    Args:
+        dataloader: the user's dataloader.
+        rank: this process's global rank.
+        world_size: number of ranks.
+        predicting: the dataloader serves ``trainer.predict`` (Lightning then tracks its batch indices, and never
+            drops the last partial batch).
+        name: how to name the dataloader in warnings, e.g. ``"val_dataloader"``.
+        seed: seed of the order shared by all ranks when the dataloader shuffles.
+
+    Returns:
+        The new dataloader and what was done; see :class:`ShardResult`. ``sharded=False`` means: leave the
+        dataloader to Lightning.
+
+    """
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    warning: str | None = None
+    if world_size == 1:
+        return ShardResult(dataloader, sharded=False)
+    if not isinstance(dataloader, DataLoader):
+        warning = (
+            f"ddp_strategy: the {name} is a {type(dataloader).__name__}, not a DataLoader, so it cannot be sharded: "
+            "every rank evaluates all of it and each sample is counted once per rank. Return a DataLoader."
+        )
+        return ShardResult(dataloader, sharded=False, warning=warning)
+    mode = RunningStage.PREDICTING if predicting else None
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        dl_args, dl_kwargs = _get_dataloader_init_args_and_kwargs(dataloader, None, mode)  # type: ignore[arg-type]
+        dl_kwargs["dataset"] = RankStridedIterable(dataset, rank, world_size)
+        warning = (
+            f"ddp_strategy: the {name} over the IterableDataset {type(dataset).__name__} is sharded by dealing its "
+            f"items round-robin to the {world_size} ranks (item j to rank j % {world_size}, within each worker). "
+            "This is exact only if the dataset yields the same items in the same order on every rank and does not "
+            "shard by rank itself; if it does, pass `SafeDDPStrategy(exact_evaluation=False)`."
+        )
+        return ShardResult(_reinstantiate_wrapped_cls(dataloader, *dl_args, **dl_kwargs), True, warning)
+    if dataloader.batch_size is None and dataloader.batch_sampler is None:
+        warning = (
+            f"ddp_strategy: the {name} has automatic batching disabled (`batch_size=None`), so it is not sharded "
+            "exactly: it keeps Lightning's padded DistributedSampler and some samples are counted twice."
+        )
+        return ShardResult(dataloader, sharded=False, warning=warning)
+
+    batch_sampler: Any = dataloader.batch_sampler
+    sampler = batch_sampler.sampler if _has_sampler(batch_sampler) else dataloader.sampler
+    single, known_order = _single_device_sampler(sampler, dataset, seed)
+    # Lightning rebuilds the user's batch sampler (same class, batch size, drop_last) over `single`: the batches
+    # one device would run. In predict mode it also forces drop_last=False and adds its index-tracking wrapper.
+    dl_args, dl_kwargs = _get_dataloader_init_args_and_kwargs(dataloader, single, mode)
+    single_batches = dl_kwargs.get("batch_sampler")
+    if isinstance(single_batches, _IndexBatchSamplerWrapper):
+        single_batches = single_batches._batch_sampler
+    if single_batches is None:
+        single_batches = BatchSampler(single, cast(int, dataloader.batch_size), dataloader.drop_last and not predicting)
+    custom_batches = type(single_batches) is not BatchSampler
+    shard: Any = BatchShardSampler(single_batches, rank, world_size)
+    if predicting:
+        shard = _IndexBatchSamplerWrapper(shard)
+    dl_kwargs.update(sampler=None, shuffle=False, batch_sampler=shard, batch_size=1, drop_last=False)
+    new = _reinstantiate_wrapped_cls(dataloader, *dl_args, **dl_kwargs)
+    if not known_order or custom_batches:
+        kind = type(single_batches) if custom_batches else type(single)
+        what = f"{'batch sampler' if custom_batches else 'sampler'} {kind.__name__}"
+        warning = (
+            f"ddp_strategy: the {name} uses the custom {what}; its batches are dealt whole to the {world_size} "
+            "ranks, which is exact only if it yields the same batches in the same order on every rank (seed its "
+            "random generator identically on all ranks)."
+        )
+    return ShardResult(new, sharded=True, warning=warning)
+
+
+def _has_sampler(batch_sampler: object) -> bool:
+    return batch_sampler is not None and hasattr(batch_sampler, "sampler")

@@ -5,8 +5,9 @@ Driver:  python bench/checkpoint_save.py [--quick] [--repeats N] [--params-mib N
 Worker:  python bench/checkpoint_save.py --memory-worker VARIANT ...  (started by the driver, one fresh process per
          memory measurement)
 
-What is measured, in one run, all variants interleaved (the order rotates by one variant every round, so no variant
-always runs first after the per-round cache drop), one warm-up round, then N timed rounds; medians with min/max:
+What is measured, in one run, all variants interleaved (a new seeded shuffle of the order every round, so no variant
+always runs first after the per-round cache drop or always follows the same other variant), one warm-up round,
+then N timed rounds; medians with min/max:
 
 1. Sync save time of ``SafeCheckpointIO.save_checkpoint`` (temp file in the same directory, CRC-32 while streaming,
    integrity footer, early write-back, fsync, ``os.replace``, directory fsync) against plain
@@ -55,6 +56,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import re
 import resource
 import shutil
@@ -485,6 +487,7 @@ def run_timing(args: argparse.Namespace, directory: str) -> dict[str, Any]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        random.Random(rnd).shuffle(order)  # a rotation alone keeps every variant after the same predecessor
         for name in order:
             path = os.path.join(directory, "bench.ckpt")
             if name.endswith("overwrite"):
@@ -736,7 +739,7 @@ def driver(args: argparse.Namespace) -> int:
         + (", plus Adam state (exp_avg, exp_avg_sq)" if info["optimizer"] == "adam" else "")
         + f": {info['tensor_bytes'] / MIB:.0f} MiB of tensors in a Lightning-layout dict. Files written to "
         f"{meta['directory']} ({meta['filesystem']['fstype']} on {meta['filesystem']['device']}). "
-        f"{args.warmup} warm-up round(s) + {args.repeats} timed rounds, variants interleaved with a rotating order; "
+        f"{args.warmup} warm-up round(s) + {args.repeats} timed rounds, variants interleaved in a shuffled order; "
         f"os.sync() before every sample; page cache dropped per round: "
         f"{'yes' if drop['used'] else 'no (' + drop['last_message'] + ')'}. Memory: {args.memory_repeats} fresh "
         f"process(es) per variant. Load average start {meta['loadavg_start'][0]:.2f}, end "

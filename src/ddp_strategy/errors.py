@@ -17,6 +17,7 @@ __all__ = [
     "DuplicateDeviceError",
     "RankDivergenceError",
     "SetupMismatchError",
+    "ShardingError",
     "UnevenEvaluationError",
     "UnsafeCheckpointError",
 ]
@@ -131,3 +132,18 @@ class CheckpointWriteError(DDPStrategyError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class ShardingError(DDPStrategyError):
+    """Ranks train on the same data: identical training batches, or DistributedSamplers that do not shard.
+
+    Attributes:
+        ranks: the global ranks involved (those receiving identical batches, or with inconsistent samplers).
+        cause: one sentence naming the likely cause, as worked out from the training dataloader.
+
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int], cause: str) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.cause = cause

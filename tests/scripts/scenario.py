@@ -22,11 +22,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddp_strategy
 from ddp_strategy import SafeDDPStrategy
-from ddp_strategy.callbacks import HangWatchdog, StragglerMonitor, WeightSyncCheck
+from ddp_strategy.callbacks import HangWatchdog, ShardingCheck, StragglerMonitor, WeightSyncCheck
 
 
 class TinyModel(pl.LightningModule):
@@ -112,6 +112,8 @@ def callbacks(args: argparse.Namespace) -> list[Any]:
         found.append(StragglerMonitor(args.straggler, patience=2, output_dir=args.straggler_dir))
     if args.weight_sync_check:
         found.append(WeightSyncCheck(every_n_steps=args.weight_sync_check))
+    if args.sharding_check:
+        found.append(ShardingCheck(batches=2, on_duplicate=args.sharding_check))
     return found
 
 
@@ -124,6 +126,46 @@ def checkpointing(args: argparse.Namespace) -> ModelCheckpoint:
             save_last=True,
         )
     return ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=not args.no_save_last)
+
+
+class UserSamplerModel(TinyModel):
+    """Builds its training DataLoader with a user-made DistributedSampler, once the process group exists."""
+
+    def __init__(self, dataset: TensorDataset, seed_per_rank: bool, hidden: int) -> None:
+        super().__init__("fit_ok", hidden=hidden)
+        self.dataset, self.seed_per_rank = dataset, seed_per_rank
+
+    def train_dataloader(self) -> DataLoader:
+        # Rank-independent code: DistributedSampler reads rank and world size from torch.distributed.
+        seed = torch.distributed.get_rank() if self.seed_per_rank else 0
+        return DataLoader(self.dataset, batch_size=8, sampler=DistributedSampler(self.dataset, shuffle=True, seed=seed))
+
+
+def sharding_data(args: argparse.Namespace, model: TinyModel, train: DataLoader) -> tuple[TinyModel, Any]:
+    """The training data of the sharding-check flags (``train`` is None when the model builds its own loader)."""
+    if not (args.constant_data or args.train_size or args.user_sampler or args.sampler_seed_per_rank):
+        return model, train
+    n = args.train_size or 64
+    x = torch.ones(n, 8) if args.constant_data else torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+    ds = TensorDataset(x, (x[:, 0] > 0).long())
+    if args.user_sampler or args.sampler_seed_per_rank:
+        return UserSamplerModel(ds, args.sampler_seed_per_rank, args.hidden), None
+    return model, DataLoader(ds, batch_size=8, shuffle=True)
+
+
+def sharding_result(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """What the ShardingCheck found, and whether the ranks' first batches held equal data (coincidence or not)."""
+    check = next((c for c in trainer.callbacks if isinstance(c, ShardingCheck)), None)
+    if check is None:
+        return None
+    reports = check.reports or []
+    return {
+        "compared": check.compared,
+        "finding": check.finding.message if check.finding else None,
+        "data_equal": len({r.data for r in reports}) == 1,
+        "indices_equal": len({r.indices for r in reports}) == 1,
+        "indices_known": all(None not in r.indices for r in reports),
+    }
 
 
 def main() -> None:
@@ -155,6 +197,12 @@ def main() -> None:
     parser.add_argument("--straggler", type=int, default=0, help="add StragglerMonitor(every_n_steps=N, patience=2)")
     parser.add_argument("--straggler-dir", help="StragglerMonitor(output_dir=...)")
     parser.add_argument("--csv-logger", help="log to a CSVLogger in this directory instead of logger=False")
+    parser.add_argument("--sharding-check", choices=["raise", "warn"], help="add ShardingCheck(on_duplicate=...)")
+    parser.add_argument("--no-distributed-sampler", action="store_true", help="Trainer(use_distributed_sampler=False)")
+    parser.add_argument("--user-sampler", action="store_true", help="train_dataloader() with DistributedSampler(ds)")
+    parser.add_argument("--sampler-seed-per-rank", action="store_true", help="user DistributedSampler(seed=rank)")
+    parser.add_argument("--constant-data", action="store_true", help="every training sample holds the same values")
+    parser.add_argument("--train-size", type=int, default=0, help="training samples (default 64)")
     args = parser.parse_args()
 
     def report_process_group_at_exit() -> None:  # registered first, so it runs after the strategy's own handler
@@ -180,6 +228,7 @@ def main() -> None:
 
     model = TinyModel(args.scenario, hidden=args.hidden)
     train, val = loaders(num_workers=args.num_workers, persistent=args.persistent_workers)
+    model, train = sharding_data(args, model, train)
     runs = 2 if args.scenario == "two_fits" else 1
     handshake_seconds = []
     for _ in range(runs):
@@ -195,6 +244,7 @@ def main() -> None:
             callbacks=callbacks(args),
             enable_progress_bar=False,
             enable_model_summary=False,
+            use_distributed_sampler=not args.no_distributed_sampler,
         )
         trainer.fit(model, train, val, ckpt_path=args.resume)
         if args.scenario == "two_fits":
@@ -213,6 +263,7 @@ def main() -> None:
             "ddp_strategy_version": ddp_strategy.__version__,
             "pid": os.getpid(),
             "time": time.time(),
+            "sharding_check": sharding_result(trainer),
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

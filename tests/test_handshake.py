@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_strategy.errors import DuplicateDeviceError, RankDivergenceError, SetupMismatchError
-from ddp_strategy.handshake import RankFacts, check_facts, collect_facts, seed_report
+from ddp_strategy.handshake import (
+    RankFacts,
+    check_facts,
+    collect_facts,
+    sampler_seeds,
+    seed_report,
+    seed_summary,
+    train_sampler_seeds,
+)
 
 
 def facts_for(world_size: int, module: nn.Module | None = None, overrides: dict | None = None) -> list[RankFacts]:
@@ -123,3 +133,76 @@ def test_seed_report():
     assert seed_report(facts_for(2, overrides={0: {"seed": "1"}, 1: {"seed": "1"}})) is None
     text = seed_report(facts_for(3, overrides={0: {"seed": "1"}, 1: {"seed": "1"}, 2: {"seed": None}}))
     assert text is not None and "not set on rank(s) 2" in text and "1 on rank(s) 0-1" in text
+
+
+# ------------------------------------------------------------------ seed report: global seed vs. sampler seed
+
+
+def seeded(world_size: int, seed: str | None, samplers: dict[int, tuple[int, ...] | None]) -> list[RankFacts]:
+    return facts_for(world_size, overrides={r: {"seed": seed, "sampler_seeds": samplers[r]} for r in range(world_size)})
+
+
+def test_collect_facts_records_sampler_seeds():
+    kw = {"rank": 0, "local_rank": 0, "node_rank": 0, "world_size": 1, "device": torch.device("cpu"), "module": None}
+    assert collect_facts(**kw).sampler_seeds is None  # the strategy passed nothing: unknown
+    assert collect_facts(**kw, sampler_seeds=[7, 8]).sampler_seeds == (7, 8)
+
+
+def test_seeds_that_agree_give_no_warning_and_one_summary_line():
+    facts = seeded(2, "1234", {0: (1234,), 1: (1234,)})
+    assert seed_report(facts) is None
+    assert seed_summary(facts) == (
+        "ddp_strategy: seeds agree on all 2 rank(s): global seed 1234, training DistributedSampler seed 1234."
+    )
+
+
+def test_no_summary_before_the_training_dataloader_is_known():
+    facts = seeded(2, "1234", {0: None, 1: None})  # e.g. the handshake of the sanity-check validation
+    assert seed_report(facts) is None and seed_summary(facts) is None
+
+
+def test_sampler_seeds_differing_between_ranks_warn():
+    facts = seeded(3, "1234", {0: (0,), 1: (1,), 2: (2,)})
+    text = seed_report(facts)
+    assert text is not None and seed_summary(facts) is None
+    assert "different training DistributedSampler seeds (0 on rank(s) 0; 1 on rank(s) 1; 2 on rank(s) 2)" in text
+    assert "shards overlap" in text
+
+
+def test_sampler_seed_other_than_the_global_seed_warns():
+    text = seed_report(seeded(2, "1234", {0: (0,), 1: (0,)}))
+    assert text is not None
+    assert "DistributedSampler seed (0) differs from the global seed (1234) on all 2 ranks" in text
+    assert "seed=int(os.environ['PL_GLOBAL_SEED'])" in text
+
+
+def test_unseeded_run_with_one_sampler_seed_is_fine():
+    facts = seeded(2, None, {0: (0,), 1: (0,)})
+    assert seed_report(facts) is None
+    assert seed_summary(facts) == (
+        "ddp_strategy: seeds agree on all 2 rank(s): global seed not set, training DistributedSampler seed 0."
+    )
+
+
+def test_no_shuffling_sampler_and_both_problems_together():
+    assert seed_summary(seeded(2, "5", {0: (), 1: ()})) == (
+        "ddp_strategy: seeds agree on all 2 rank(s): global seed 5, no shuffling DistributedSampler."
+    )
+    facts = facts_for(2, overrides={0: {"seed": "1", "sampler_seeds": (1,)}, 1: {"seed": "2", "sampler_seeds": (2,)}})
+    text = seed_report(facts)
+    assert text is not None and "different global seeds" in text and "different training DistributedSampler" in text
+
+
+def test_sampler_seeds_of_dataloaders():
+    ds = TensorDataset(torch.zeros(8, 1))
+    loaders = [
+        DataLoader(ds, sampler=DistributedSampler(ds, num_replicas=2, rank=0, seed=5)),
+        DataLoader(ds, sampler=DistributedSampler(ds, num_replicas=2, rank=0, shuffle=False, seed=6)),  # no effect
+        DataLoader(ds, shuffle=True),
+        [1, 2],
+    ]
+    assert sampler_seeds(loaders) == (5,)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=SimpleNamespace(flattened=loaders)))
+    assert train_sampler_seeds(trainer) == (5,)
+    assert train_sampler_seeds(SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=None))) is None
+    assert train_sampler_seeds(None) is None

@@ -7,6 +7,10 @@ and calls :func:`check_facts` on every rank, so every rank raises the same error
 * :class:`~ddp_strategy.errors.DuplicateDeviceError` when two ranks share one accelerator;
 * :class:`~ddp_strategy.errors.SetupMismatchError` when versions, world size or tensor names/shapes differ;
 * :class:`~ddp_strategy.errors.RankDivergenceError` when parameter or buffer values differ.
+
+:func:`seed_report` then warns when the global seed (``PL_GLOBAL_SEED``) differs between ranks, when the training
+``DistributedSampler`` seed differs between ranks (the shards overlap), or when the sampler seed differs from the
+global seed; :func:`seed_summary` is the one info line for when they all agree.
 """
 
 from __future__ import annotations
@@ -14,19 +18,29 @@ from __future__ import annotations
 import os
 import platform
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
 import lightning
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_strategy.errors import DuplicateDeviceError, RankDivergenceError, SetupMismatchError
 from ddp_strategy.fingerprint import TensorFingerprint, fingerprint_module
 from ddp_strategy.positions import format_ranks
 
-__all__ = ["RankFacts", "check_devices", "check_facts", "collect_facts", "seed_report"]
+__all__ = [
+    "RankFacts",
+    "check_devices",
+    "check_facts",
+    "collect_facts",
+    "sampler_seeds",
+    "seed_report",
+    "seed_summary",
+    "train_sampler_seeds",
+]
 
 _MAX_LISTED = 5  # differing tensors named in one message
 
@@ -49,6 +63,9 @@ class RankFacts:
         world_size: the world size this rank was configured with.
         seed: the global seed (``PL_GLOBAL_SEED``) or ``None`` when not seeded.
         tensors: fingerprints of every parameter and buffer, in registration order.
+        sampler_seeds: the seeds of the shuffling ``DistributedSampler`` of each training dataloader; ``None`` when
+            not known (no training dataloader yet, or none passed to :func:`collect_facts`), ``()`` when the
+            training dataloaders have no shuffling ``DistributedSampler``.
 
     """
 
@@ -63,6 +80,7 @@ class RankFacts:
     world_size: int
     seed: str | None
     tensors: tuple[TensorFingerprint, ...] = field(default=())
+    sampler_seeds: tuple[int, ...] | None = None
 
 
 def _package_version() -> str:
@@ -93,10 +111,13 @@ def collect_facts(
     world_size: int,
     device: torch.device,
     module: nn.Module | None,
+    sampler_seeds: Sequence[int] | None = None,
 ) -> RankFacts:
     """Describe this rank. Fingerprints are computed on ``device``; only a few integers per tensor leave it.
 
     ``module=None`` collects everything but the tensor fingerprints (used for the early device check).
+    ``sampler_seeds`` are the training ``DistributedSampler`` seeds (see :func:`train_sampler_seeds`), or ``None``
+    when unknown.
     """
     return RankFacts(
         rank=rank,
@@ -115,7 +136,40 @@ def collect_facts(
         world_size=world_size,
         seed=os.environ.get("PL_GLOBAL_SEED"),
         tensors=tuple(fingerprint_module(module)) if module is not None else (),
+        sampler_seeds=tuple(int(s) for s in sampler_seeds) if sampler_seeds is not None else None,
     )
+
+
+def sampler_seeds(dataloaders: Iterable[object]) -> tuple[int, ...]:
+    """The seeds of the shuffling ``DistributedSampler`` (also under a custom batch sampler) of ``dataloaders``.
+
+    Samplers with ``shuffle=False`` are left out: their seed has no effect.
+    """
+    seeds: list[int] = []
+    for dataloader in dataloaders:
+        if not isinstance(dataloader, DataLoader):
+            continue
+        sampler = getattr(dataloader.batch_sampler, "sampler", None)
+        if sampler is None:
+            sampler = dataloader.sampler
+        if isinstance(sampler, DistributedSampler) and sampler.shuffle:
+            seeds.append(int(sampler.seed))
+    return tuple(seeds)
+
+
+def train_sampler_seeds(trainer: object | None) -> tuple[int, ...] | None:
+    """:func:`sampler_seeds` of ``trainer``'s training dataloaders, ``None`` before they are loaded (or no trainer).
+
+    Args:
+        trainer: a ``lightning.pytorch.Trainer`` (typed loosely so that a strategy can pass
+            ``self.lightning_module._trainer`` as is).
+
+    """
+    fit_loop = getattr(trainer, "fit_loop", None)
+    combined = getattr(fit_loop, "_combined_loader", None)
+    if combined is None:
+        return None
+    return sampler_seeds(combined.flattened)
 
 
 def check_facts(facts: Sequence[RankFacts]) -> None:
@@ -251,14 +305,66 @@ def _check_tensor_values(facts: Sequence[RankFacts]) -> None:
     )
 
 
-def seed_report(facts: Sequence[RankFacts]) -> str | None:
-    """A warning text when ranks were seeded differently (or only some were seeded), else ``None``."""
-    seeds = _group({f.rank: f.seed if f.seed is not None else "not set" for f in facts})
-    if len(seeds) <= 1:
+def _sampler_column(facts: Sequence[RankFacts]) -> dict[int, str] | None:
+    """Each rank's training sampler seeds as text, ``None`` when no rank knows them."""
+    if all(f.sampler_seeds is None for f in facts):
         return None
-    table = "; ".join(f"{seed} on rank(s) {format_ranks(ranks)}" for seed, ranks in seeds)
-    return (
-        f"Ranks use different global seeds ({table}). Weights still start equal (DDP broadcasts rank 0's), but "
-        "anything seeded from it differs per rank. Call lightning.seed_everything(seed) with the same seed on "
-        "every rank, before building the model."
-    )
+    return {
+        f.rank: "unknown" if f.sampler_seeds is None else ", ".join(map(str, f.sampler_seeds)) or "none" for f in facts
+    }
+
+
+def seed_report(facts: Sequence[RankFacts]) -> str | None:
+    """A warning text when seeds disagree, else ``None``.
+
+    Warns when ranks were seeded differently (or only some were seeded), when the shuffling training
+    ``DistributedSampler`` seeds differ between ranks, and when they agree between ranks but differ from the
+    (agreed) global seed. The sampler part needs ``RankFacts.sampler_seeds`` (see :func:`collect_facts`).
+    """
+    problems: list[str] = []
+    seeds = _group({f.rank: f.seed if f.seed is not None else "not set" for f in facts})
+    if len(seeds) > 1:
+        table = "; ".join(f"{seed} on rank(s) {format_ranks(ranks)}" for seed, ranks in seeds)
+        problems.append(
+            f"Ranks use different global seeds ({table}). Weights still start equal (DDP broadcasts rank 0's), but "
+            "anything seeded from it differs per rank. Call lightning.seed_everything(seed) with the same seed on "
+            "every rank, before building the model."
+        )
+    column = _sampler_column(facts)
+    if column is not None:
+        samplers = _group(column)
+        if len(samplers) > 1:
+            table = "; ".join(f"{seed} on rank(s) {format_ranks(ranks)}" for seed, ranks in samplers)
+            problems.append(
+                f"Ranks use different training DistributedSampler seeds ({table}): each rank shuffles the dataset "
+                "differently, so the shards overlap and some samples are never seen in an epoch. Give every rank's "
+                "DistributedSampler the same seed (Lightning's own uses the global seed), or leave it to Lightning "
+                "(use_distributed_sampler=True)."
+            )
+        elif len(seeds) == 1 and seeds[0][0] != "not set" and samplers[0][0] not in ("none", "unknown"):
+            global_seed, sampler_seed = seeds[0][0], samplers[0][0]
+            if any(s != global_seed for s in sampler_seed.split(", ")):
+                problems.append(
+                    f"The training DistributedSampler seed ({sampler_seed}) differs from the global seed "
+                    f"({global_seed}) on all {len(facts)} ranks, so the data order does not follow "
+                    "lightning.seed_everything. If it should, build the sampler with "
+                    "seed=int(os.environ['PL_GLOBAL_SEED']), as Lightning's own DistributedSampler does."
+                )
+    return " ".join(problems) if problems else None
+
+
+def seed_summary(facts: Sequence[RankFacts]) -> str | None:
+    """One info line when the training sampler seeds are known and :func:`seed_report` has nothing to warn about.
+
+    ``None`` when the sampler seeds are not known (e.g. the handshake before the training dataloader is loaded)
+    or when seeds disagree, so that a strategy calling it at every handshake shows the line once per fit.
+    """
+    column = _sampler_column(facts)
+    if column is None or seed_report(facts) is not None:
+        return None
+    global_seed = facts[0].seed if facts[0].seed is not None else "not set"
+    sampler_seed = column[facts[0].rank]
+    sampler = "no shuffling DistributedSampler"
+    if sampler_seed != "none":
+        sampler = f"training DistributedSampler seed {sampler_seed}"
+    return f"ddp_strategy: seeds agree on all {len(facts)} rank(s): global seed {global_seed}, {sampler}."

@@ -26,6 +26,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/cifar10/train.py --devices 2 --accelerator cpu --max-epochs 3
+	$(PY) examples/cifar10/evaluate.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples bench

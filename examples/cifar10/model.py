@@ -252,6 +252,9 @@ class CIFAR10Classifier(LightningModule):
         metric(logits, labels)
         self.log(f"{stage}_loss", loss, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
         self.log(f"{stage}_acc", metric, on_step=False, on_epoch=True, prog_bar=True)
+        # how many images the epoch value covers, summed over ranks: equals the data set size when every sample
+        # is evaluated exactly once (SafeDDPStrategy); stock DDP's padded sampler counts some twice
+        self.log(f"{stage}_samples", float(len(labels)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """Create the optimizer (AdamW or SGD with Nesterov momentum) and a per-step one-cycle schedule.

@@ -15,6 +15,7 @@ it in-process (use ``devices=1`` there: with more devices Lightning re-launches 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -45,9 +46,11 @@ from .data import DEFAULT_DATA_DIR, CIFAR10DataModule  # noqa: E402
 from .model import CIFAR10Classifier  # noqa: E402
 from .progress import EpochSummary  # noqa: E402
 
-__all__ = ["DEFAULT_CKPT_DIR", "build_parser", "main"]
+__all__ = ["DEFAULT_CKPT_DIR", "RESULTS_FILE", "build_parser", "main"]
 
 DEFAULT_CKPT_DIR = _REPO_ROOT / "checkpoints" / "cifar10"
+#: Written by rank 0 into the checkpoint folder: the final metrics and the tested checkpoint (read by evaluate.py).
+RESULTS_FILE = "results.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,8 +185,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tested = checkpoint.best_model_path or checkpoint.last_model_path or "final weights"
         test_acc = final.get("test_acc", float("nan"))
         test_loss = final.get("test_loss", float("nan"))
-        print(f"test_acc={test_acc:.4f} test_loss={test_loss:.4f} (checkpoint: {tested})", flush=True)
+        samples = int(final.get("test_samples", 0))
+        print(
+            f"test_acc={test_acc:.4f} test_loss={test_loss:.4f} on {samples} images "
+            f"({trainer.world_size} process(es); checkpoint: {tested})",
+            flush=True,
+        )
         print(f"fit took {fit_seconds:.1f}s", flush=True)
+        record = {**final, "test_checkpoint": tested, "world_size": trainer.world_size, "argv": sys.argv[1:]}
+        (ckpt_dir / RESULTS_FILE).write_text(json.dumps(record, indent=2))
     return final
 
 

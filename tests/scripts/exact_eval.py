@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, TensorDataset, get_worker_info
 
 import ddp_strategy  # noqa: F401  (registers "safe_ddp")
 
@@ -43,9 +45,48 @@ def pool() -> TensorDataset:
     return TensorDataset(x, y, target)
 
 
-def loaders(cfgs: list[tuple[int, int]]) -> list[DataLoader[Any]]:
+class IterableTensors(IterableDataset[tuple[torch.Tensor, ...]]):
+    """The rows of a TensorDataset as a stream, split between DataLoader workers as PyTorch recommends."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(worker, len(self.data), workers):
+            yield self.data[i]
+
+
+class ReversedSampler(Sampler[int]):
+    """A custom (deterministic) sampler: the data set backwards."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.length - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def loaders(cfgs: list[tuple[int, int]], kind: str = "plain", world_size: int = 1, workers: int = 0) -> list[Any]:
     data = pool()
-    return [DataLoader(TensorDataset(*(t[:n] for t in data.tensors)), batch_size=bs) for n, bs in cfgs]
+    result: list[Any] = []
+    for n, bs in cfgs:
+        subset = TensorDataset(*(t[:n] for t in data.tensors))
+        if kind == "iterable":
+            result.append(DataLoader(IterableTensors(subset), batch_size=bs, num_workers=workers))
+        elif kind == "custom_sampler":
+            result.append(DataLoader(subset, batch_size=bs, sampler=ReversedSampler(n), num_workers=workers))
+        elif kind == "user_sampler" and world_size > 1:  # a hand-made, padded DistributedSampler
+            rank = int(os.environ.get("LOCAL_RANK", "0"))
+            sampler = DistributedSampler(subset, num_replicas=world_size, rank=rank, shuffle=False)
+            result.append(DataLoader(subset, batch_size=bs, sampler=sampler, num_workers=workers))
+        else:
+            result.append(DataLoader(subset, batch_size=bs, num_workers=workers))
+    return result
 
 
 def metric_set() -> nn.ModuleDict:
@@ -71,7 +112,8 @@ class EvalModel(pl.LightningModule):
         torch.manual_seed(0)
         # BatchNorm (a buffer DDP broadcasts) with momentum 0: training steps leave the running statistics as they
         # are, so the validation inside fit sees the same model on one device and on several.
-        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8, momentum=0.0), nn.Tanh(), nn.Linear(8, NUM_CLASSES + 1))
+        norm = nn.BatchNorm1d(8, momentum=0.0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), norm, nn.Tanh(), nn.Linear(8, NUM_CLASSES + 1))
         self.val_metrics = nn.ModuleList([metric_set() for _ in range(num_loaders)])
         self.test_metrics = nn.ModuleList([metric_set() for _ in range(num_loaders)])
         self.step_sync = step_sync
@@ -130,6 +172,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,5")
     parser.add_argument("--stages", default="validate,test,predict,fit")
     parser.add_argument("--step-sync", action="store_true", help="log a value with on_step=True, sync_dist=True")
+    parser.add_argument("--loader", choices=("plain", "iterable", "custom_sampler", "user_sampler"), default="plain")
+    parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -149,17 +193,21 @@ def main() -> None:
     )
     out: dict[str, Any] = {"configs": cfgs, "world_size": trainer.world_size}
     stages = args.stages.split(",")
+
+    def make() -> list[Any]:
+        return loaders(cfgs, args.loader, args.devices, args.num_workers)
+
     if "validate" in stages:
-        out["validate"] = as_floats(trainer.validate(model, loaders(cfgs), verbose=False))
+        out["validate"] = as_floats(trainer.validate(model, make(), verbose=False))
     if "test" in stages:
-        out["test"] = as_floats(trainer.test(model, loaders(cfgs), verbose=False))
+        out["test"] = as_floats(trainer.test(model, make(), verbose=False))
     if "predict" in stages:
-        predictions = trainer.predict(model, loaders(cfgs))
+        predictions = trainer.predict(model, make())
         per_loader = predictions if len(cfgs) > 1 else [predictions]
         out["predict"] = [[batch.tolist() for batch in loader] for loader in per_loader or []]
     if "fit" in stages:
         train = DataLoader(pool(), batch_size=2, drop_last=True)
-        trainer.fit(model, train, loaders(cfgs))
+        trainer.fit(model, train, make())
         out["fit"] = as_floats({k: v for k, v in trainer.callback_metrics.items() if "/" in k or len(cfgs) == 1})
     if trainer.is_global_zero:
         with open(args.out, "w") as f:

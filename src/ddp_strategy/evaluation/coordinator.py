@@ -82,11 +82,20 @@ class ExactEvaluation:
         totals = [sum(counts) for counts in self.batches_per_rank]
         return any(math.isinf(total) for total in totals) or len(set(totals)) > 1
 
-    def dataloaders_with_batches(self) -> list[int]:
-        """Indices of the current loop's dataloaders in which at least one rank has a batch."""
-        if not self.batches_per_rank:
-            return []
-        return [i for i, counts in enumerate(zip(*self.batches_per_rank, strict=True)) if any(c > 0 for c in counts)]
+    def dataloaders_with_batches(self, seen: dict[int, int], num_dataloaders: int) -> list[int]:
+        """Indices of the dataloaders in which at least one rank ran a batch (one small gather).
+
+        Args:
+            seen: this rank's number of batches run per dataloader index.
+            num_dataloaders: how many dataloaders the loop has.
+
+        """
+        control = self._control()
+        mine = [int(seen.get(i, 0)) for i in range(num_dataloaders)]
+        if control is None:
+            return [i for i, count in enumerate(mine) if count > 0]
+        everyone = control.all_gather_object(mine, name="exact-eval:batches-run")
+        return [i for i in range(num_dataloaders) if any(counts[i] > 0 for counts in everyone)]
 
     @contextmanager
     def step(self, hook: str) -> Iterator[None]:

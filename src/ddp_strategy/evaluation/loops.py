@@ -104,7 +104,7 @@ class ExactEvaluationLoop(_EvaluationLoop):
         if coordinator is not None:
             several = self._is_sequential and self.num_dataloaders > 1
             connector = self.trainer._logger_connector
-            stores = coordinator.dataloaders_with_batches()
+            stores = coordinator.dataloaders_with_batches(self._seen_batches_per_dataloader, self.num_dataloaders)
             if several and stores and stores[0] != 0:
                 # Stock Lightning also "moves on" from dataloader 0 at the first batch when dataloader 0 is empty,
                 # which adds one empty result; keep the returned list identical to a single device's.

@@ -225,8 +225,10 @@ def shard_evaluation_dataloader(
     single_batches = dl_kwargs.get("batch_sampler")
     if isinstance(single_batches, _IndexBatchSamplerWrapper):
         single_batches = single_batches._batch_sampler
-    if single_batches is None:
-        single_batches = BatchSampler(single, cast(int, dataloader.batch_size), dataloader.drop_last and not predicting)
+    if single_batches is None:  # a standard BatchSampler, given to the DataLoader or made by it
+        size = cast(int, getattr(batch_sampler, "batch_size", dataloader.batch_size))
+        drop_last = bool(getattr(batch_sampler, "drop_last", dataloader.drop_last))
+        single_batches = BatchSampler(single, size, drop_last and not predicting)
     custom_batches = type(single_batches) is not BatchSampler
     shard: Any = BatchShardSampler(single_batches, rank, world_size)
     if predicting:

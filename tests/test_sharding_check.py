@@ -412,3 +412,12 @@ def test_stock_ddp_strategy_uses_the_default_group(tmp_path):
     )
     assert run.returncode != 0 and not run.orphans and not run.timed_out, run.describe()
     assert "ShardingError: ShardingCheck: ranks 0-1 received identical training batches" in run.output
+
+
+@pytest.mark.multiprocess
+def test_safe_ddp_strategy_checks_sharding_by_default(tmp_path):
+    # no ShardingCheck added by the user: SafeDDPStrategy(sharding_check="warn") adds one
+    run = run_scenario("fit_ok", tmp_path, "--no-distributed-sampler", "--max-epochs", "1", timeout=90)
+    result = _ok(run)
+    assert result["compared"] and "use_distributed_sampler=False" in result["finding"]
+    assert run.output.count("UserWarning: ShardingCheck: ranks 0-1 received identical") == 1, run.describe()

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ddp_strategy.callbacks.sharding_check import ensure_sharding_check
 from ddp_strategy.checkpoint import protocol
 from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
@@ -34,7 +35,15 @@ from ddp_strategy.errors import CheckpointWriteError
 from ddp_strategy.evaluation.coordinator import ExactEvaluation
 from ddp_strategy.evaluation.loops import install_exact_loops
 from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
-from ddp_strategy.handshake import RankFacts, check_devices, check_facts, collect_facts, seed_report
+from ddp_strategy.handshake import (
+    RankFacts,
+    check_devices,
+    check_facts,
+    collect_facts,
+    seed_report,
+    seed_summary,
+    train_sampler_seeds,
+)
 from ddp_strategy.positions import call_site
 from ddp_strategy.sampling import skip_consumed_batches
 
@@ -43,6 +52,7 @@ __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 log = logging.getLogger(__name__)
 
 _SAVE_ON = frozenset({"global_zero", "node_zero"})
+_SHARDING_CHECK = frozenset({"raise", "warn"})
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
 DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
@@ -88,6 +98,9 @@ class SafeDDPStrategy(DDPStrategy):
             dataset order. Default: ``True``. ``False`` keeps Lightning's padded ``DistributedSampler``.
         predictions_on: with exact evaluation, where ``trainer.predict`` returns all predictions in dataset order:
             ``"global_zero"`` (default; other ranks get their own share) or ``"all"``.
+        sharding_check: compare the first training batches across ranks (a
+            :class:`~ddp_strategy.callbacks.ShardingCheck` is added unless the Trainer has one): ``"warn"``
+            (default) or ``"raise"`` when two ranks receive identical batches, ``None`` to skip.
         **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
 
     Raises:
@@ -107,6 +120,7 @@ class SafeDDPStrategy(DDPStrategy):
         save_on: str = "global_zero",
         exact_evaluation: bool = True,
         predictions_on: str = "global_zero",
+        sharding_check: str | None = "warn",
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -131,6 +145,10 @@ class SafeDDPStrategy(DDPStrategy):
         self.exact_evaluation = exact_evaluation
         self._exact = ExactEvaluation(self._control_plane_or_none, predictions_on=predictions_on)
         self._warned: set[str] = set()
+        if sharding_check is not None and sharding_check not in _SHARDING_CHECK:
+            choices = sorted(_SHARDING_CHECK)
+            raise ValueError(f"`sharding_check` must be one of {choices} or None, got {sharding_check!r}.")
+        self.sharding_check = sharding_check
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -227,6 +245,8 @@ class SafeDDPStrategy(DDPStrategy):
         self._handshake_done = False
         if self.exact_evaluation and self.world_size > 1:
             self._install_exact_evaluation(trainer)
+        if self.sharding_check is not None and self.world_size > 1:
+            ensure_sharding_check(trainer, "raise" if self.sharding_check == "raise" else "warn")
 
     @override
     def on_train_start(self) -> None:
@@ -534,7 +554,12 @@ class SafeDDPStrategy(DDPStrategy):
             world_size=self.world_size,
             device=self.root_device,
             module=self.model if with_tensors else None,
+            sampler_seeds=train_sampler_seeds(self._trainer_or_none()) if with_tensors else None,
         )
+
+    def _trainer_or_none(self) -> pl.Trainer | None:
+        module = self.lightning_module
+        return module._trainer if module is not None else None
 
     def _check_devices(self) -> None:
         """Early device check, before any data-plane collective can touch a shared GPU."""
@@ -554,6 +579,9 @@ class SafeDDPStrategy(DDPStrategy):
         warning = seed_report(gathered)
         if warning is not None:
             rank_zero_warn(warning)
+        summary = seed_summary(gathered)
+        if summary is not None:
+            rank_zero_info(summary)
         rank_zero_info(
             f"ddp_strategy: {stage} handshake passed on {self.world_size} rank(s) "
             f"({len(facts.tensors)} tensors compared) in {self.last_handshake_seconds * 1000:.1f} ms"

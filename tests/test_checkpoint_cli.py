@@ -192,7 +192,7 @@ def test_inspect_json_lightning_checkpoint(
     assert doc["integrity"]["status"] == "verified"
     record = doc["integrity"]["record"]
     assert record["global_step"] == 3 and record["epoch"] == 1 and record["world_size"] == 2
-    assert record["checksum"].startswith("sha256:")
+    assert record["checksum"].startswith("crc32:")
     assert record["writer"].startswith("ddp_strategy ")
     assert (doc["global_step"], doc["epoch"], doc["world_size"]) == (3, 1, 2)
     assert doc["kind"] == "lightning"
@@ -230,7 +230,7 @@ def test_inspect_reports_missing_rng_state_of_a_rank(
 def test_inspect_text(lightning_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(lightning_ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "integrity:      verified (format 1" in out
+    assert "integrity:      verified (format 2" in out
     assert "global_step:    3" in out
     assert "epoch:          1" in out
     assert "world_size:     2" in out

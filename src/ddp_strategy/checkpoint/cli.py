@@ -77,9 +77,11 @@ def _integrity_text(integrity: Mapping[str, Any]) -> str:
     if integrity["status"] == "no-record":
         return str(integrity["detail"])
     record = integrity["record"]
+    checksum = str(record["checksum"])
+    shown = checksum if len(checksum) <= 23 else f"{checksum[:23]}..."
     return (
         f"verified (format {record['format_version']}, {record['payload_bytes']} payload bytes, "
-        f"{record['checksum'][:23]}..., writer {record['writer'] or 'unknown'!r})"
+        f"{shown}, writer {record['writer'] or 'unknown'!r})"
     )
 
 

@@ -68,7 +68,11 @@ class TinyModel(pl.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         if self.scenario == "fail_write" and self.current_epoch == 1 and self.trainer.global_rank == 0:
-            # the next checkpoint write on rank 0 hits a file size limit (as a full disk would)
+            # the next checkpoint write on rank 0 hits a file size limit (as a full disk would); with async_save,
+            # epoch 0's write may still be in flight in the background: let it finish first (the limit is global)
+            writer = getattr(self.trainer.strategy, "_writer", None)
+            if writer is not None:
+                writer.wait()
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
 

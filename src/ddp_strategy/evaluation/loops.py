@@ -68,20 +68,24 @@ def _someone_has_batches(loop: _EvaluationLoop | _PredictionLoop) -> bool:
     return False
 
 
-class ExactEvaluationLoop(_EvaluationLoop):
-    """``_EvaluationLoop`` that runs (with zero batches) on ranks whose shard is empty, and agrees on metrics."""
+class _EmptyShardMixin:
+    """Set-up shared by both loops: accept an empty shard, and skip only when no rank has a batch."""
 
-    @override
+    trainer: pl.Trainer
+
     def setup_data(self) -> None:
         with _zero_length_allowed(self.trainer):
-            super().setup_data()
+            super().setup_data()  # type: ignore[misc]
 
     @property
-    @override
     def skip(self) -> bool:
-        if not super().skip:
+        if not super().skip:  # type: ignore[misc]
             return False
-        return _coordinator(self.trainer) is None or not _someone_has_batches(self)
+        return _coordinator(self.trainer) is None or not _someone_has_batches(self)  # type: ignore[arg-type]
+
+
+class ExactEvaluationLoop(_EmptyShardMixin, _EvaluationLoop):
+    """``_EvaluationLoop`` that runs (with zero batches) on ranks whose shard is empty, and agrees on metrics."""
 
     @override
     def _on_evaluation_start(self, *args: Any, **kwargs: Any) -> None:
@@ -124,20 +128,8 @@ class ExactEvaluationLoop(_EvaluationLoop):
             coordinator.agree_on_logged_keys(self._results, self.trainer)
 
 
-class ExactPredictionLoop(_PredictionLoop):
+class ExactPredictionLoop(_EmptyShardMixin, _PredictionLoop):
     """``_PredictionLoop`` that runs on ranks with an empty shard and returns predictions in dataset order."""
-
-    @override
-    def setup_data(self) -> None:
-        with _zero_length_allowed(self.trainer):
-            super().setup_data()
-
-    @property
-    @override
-    def skip(self) -> bool:
-        if not super().skip:
-            return False
-        return _coordinator(self.trainer) is None or not _someone_has_batches(self)
 
     @override
     def _on_predict_start(self) -> None:

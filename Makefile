@@ -7,12 +7,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-fast lint format bench clean
+.PHONY: help install demo test test-fast lint docs format bench clean
 
 help:
 	@echo "make demo   - set up .venv, train the CIFAR-10 example on 2 CPU processes with SafeDDPStrategy"
 	@echo "make test   - set up .venv, run lint (ruff, mypy) and the whole test suite"
 	@echo "make lint   - ruff + mypy only"
+	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
 	@echo "make bench  - run the benchmarks under bench/"
 
 $(PY):
@@ -33,8 +34,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src tests examples bench
 	$(PY) -m mypy
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict -d site
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

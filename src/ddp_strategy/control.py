@@ -42,17 +42,23 @@ _UNNAMED = "<unnamed>"
 class Store(Protocol):
     """The subset of :class:`torch.distributed.Store` the control plane uses (a fake one is used in tests)."""
 
-    def set(self, key: str, value: str) -> None: ...  # noqa: D102
+    def set(self, key: str, value: str) -> None:
+        """Store ``value`` under ``key``."""
 
-    def get(self, key: str) -> bytes: ...  # noqa: D102
+    def get(self, key: str) -> bytes:
+        """Return the value of ``key``, waiting for it to be set."""
 
-    def multi_get(self, keys: list[str]) -> list[bytes]: ...  # noqa: D102
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Return the values of ``keys`` in one round trip."""
 
-    def check(self, keys: list[str]) -> bool: ...  # noqa: D102
+    def check(self, keys: list[str]) -> bool:
+        """Return whether every key in ``keys`` is set, without waiting."""
 
-    def wait(self, keys: list[str], timeout: timedelta) -> None: ...  # noqa: D102
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Wait until every key in ``keys`` is set, or raise after ``timeout``."""
 
-    def delete_key(self, key: str) -> bool: ...  # noqa: D102
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
 
 
 def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:

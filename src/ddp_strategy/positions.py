@@ -115,7 +115,21 @@ def call_site(skip: int = 1) -> str:
 
 
 def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
-    """Compress a list of ranks into ranges: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    """Compress a list of ranks into ranges: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``.
+
+    Args:
+        ranks: Ranks in any order, duplicates allowed.
+
+    Returns:
+        Sorted ranks, consecutive ones joined into ranges.
+
+    Example:
+        >>> format_ranks([5, 0, 2, 1, 1])
+        '0-2, 5'
+        >>> format_ranks([])
+        ''
+
+    """
     ordered = sorted(set(ranks))
     parts: list[str] = []
     start = prev = None

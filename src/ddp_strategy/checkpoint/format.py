@@ -266,7 +266,8 @@ class HashingWriter:
         """The format version a record with this writer's checksum has."""
         return _FORMAT_OF_ALGORITHM[self.algorithm]
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:  # noqa: D102
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` to the file and account for it in the payload checksum; return its size in bytes."""
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         size = view.nbytes
         large = size >= DEFER_MIN_BYTES
@@ -300,10 +301,12 @@ class HashingWriter:
         self._run_crc = 0
         self._run_start = self.bytes_written
 
-    def flush(self) -> None:  # noqa: D102
+    def flush(self) -> None:
+        """Flush the underlying file's buffer."""
         self._file.flush()
 
-    def writable(self) -> bool:  # noqa: D102
+    def writable(self) -> bool:
+        """Return ``True``: this is a write-only stream."""
         return True
 
     def finish(self) -> str:

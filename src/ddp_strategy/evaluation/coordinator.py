@@ -36,6 +36,12 @@ def interleave_batches(per_rank: Sequence[Sequence[Any]]) -> list[Any]:
     Raises:
         ValueError: the shares do not come from round-robin dealing (a later rank holds more than an earlier one).
 
+    Example:
+        Five batches dealt to two ranks (rank 0 ran batches 0, 2, 4; rank 1 ran 1, 3):
+
+        >>> interleave_batches([["b0", "b2", "b4"], ["b1", "b3"]])
+        ['b0', 'b1', 'b2', 'b3', 'b4']
+
     """
     world = len(per_rank)
     lengths = [len(share) for share in per_rank]

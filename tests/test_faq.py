@@ -181,6 +181,7 @@ def test_spawn_needs_an_importable_main_module(tmp_path: Path):
     assert "Can't get attribute 'M' on <module '__main__'" in run.output, run.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_seed001_migrated_script_trains_and_resumes(tmp_path: Path):
     """docs/migrating.md: the seed 001 script as a LightningModule trains on 2 processes and resumes."""

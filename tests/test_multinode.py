@@ -6,6 +6,7 @@ onto a private directory, so it sees neither node 0's files nor can node 0 see i
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -37,16 +38,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def two_nodes(tmp_path: Path, *args: str, private: Path | None = None, shared: Path | None = None) -> list[Run]:
-    """Run scenario.py as 2 nodes x 1 process under torchrun; node 1 sees ``private`` at ``shared`` if given."""
+def two_nodes(
+    tmp_path: Path, *args: str, private: Path | None = None, shared: Path | None = None, nproc: int = 1
+) -> list[Run]:
+    """Run scenario.py as 2 nodes x ``nproc`` processes under torchrun; node 1 sees ``private`` at ``shared``."""
     port = free_port()
     runs: list[Run | None] = [None, None]
 
     def node(rank: int) -> None:
         out = tmp_path / f"node{rank}.json"
-        cmd = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank)]
+        cmd = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(rank)]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPTS / "scenario.py"), "fit_ok"]
-        cmd += ["--out", str(out), "--devices", "1", "--num-nodes", "2", *args]
+        cmd += ["--out", str(out), "--devices", str(nproc), "--num-nodes", "2", *args]
         prefix = None
         if rank == 1 and private is not None and shared is not None:
             prefix = ["unshare", "-m", "sh", "-c", f'mount --bind "{private}" "{shared}" && exec "$@"', "sh"]
@@ -113,3 +116,34 @@ def test_node_zero_writers_keep_a_copy_per_node_and_resume_locally(tmp_path):
     ok(runs)
     assert "cannot read" not in runs[0].output  # every node read its own copy
     assert runs[0].result is not None and runs[0].result["global_step"] == 12
+
+
+@needs_namespaces
+@pytest.mark.timeout(600)
+def test_two_nodes_of_two_processes_with_private_disks_resume_on_both(tmp_path):
+    """2 nodes x 2 processes (world size 4): global vs local ranks, one writer per node (local rank 0) with a
+    checkpoint directory per node, and a resume in which every node reads its own copy."""
+    shared, private = tmp_path / "ckpt", tmp_path / "node1-disk"
+    shared.mkdir()
+    private.mkdir()
+    common = ["--ckpt-dir", str(shared), "--save-on", "node_zero"]
+    first, second = tmp_path / "ranks1", tmp_path / "ranks2"
+    ok(two_nodes(tmp_path, "--max-epochs", "1", *common, "--rank-report", str(first), private=private, shared=shared,
+                 nproc=2))  # fmt: skip
+    facts = [json.loads((first / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [(f["global_rank"], f["local_rank"], f["node_rank"], f["world_size"]) for f in facts] == [
+        (0, 0, 0, 4), (1, 1, 0, 4), (2, 0, 1, 4), (3, 1, 1, 4),
+    ]  # fmt: skip
+    assert [f["env"]["GROUP_RANK"] for f in facts] == ["0", "0", "1", "1"]  # torchrun's node rank
+    assert [f["is_writer"] for f in facts] == [True, False, True, False]
+    for disk in (shared, private):  # each node's writer put a complete copy on its own disk
+        record = verify(str(disk / "last.ckpt"))
+        assert record is not None and record.global_step == 2 and record.world_size == 4
+    runs = two_nodes(tmp_path, "--max-epochs", "2", *common, "--resume", "last", "--rank-report", str(second),
+                     private=private, shared=shared, nproc=2)  # fmt: skip
+    ok(runs)
+    assert "cannot read" not in runs[0].output  # every node read its own copy
+    assert "Restored all states from the checkpoint" in runs[0].output, runs[0].describe()
+    assert [json.loads((second / f"rank{r}.json").read_text())["global_step"] for r in range(4)] == [4, 4, 4, 4]
+    for disk in (shared, private):
+        assert verify(str(disk / "last.ckpt")).global_step == 4  # type: ignore[union-attr]

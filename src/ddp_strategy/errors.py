@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "CheckpointIntegrityError",
+    "CheckpointMismatchError",
     "CheckpointWriteError",
     "CollectiveMismatchError",
     "DDPStrategyError",
@@ -147,3 +148,20 @@ class ShardingError(DDPStrategyError):
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.cause = cause
+
+
+class CheckpointMismatchError(DDPStrategyError):
+    """A valid file that cannot be resumed from by this model: another model's checkpoint, or a bare state dict.
+
+    Attributes:
+        path: the checkpoint file.
+        missing: keys of the model that the checkpoint lacks.
+        unexpected: keys in the checkpoint that the model does not have.
+
+    """
+
+    def __init__(self, message: str, *, path: str, missing: Sequence[str] = (), unexpected: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)

@@ -6,7 +6,7 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +31,7 @@ from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
-from ddp_strategy.errors import CheckpointWriteError
+from ddp_strategy.errors import CheckpointWriteError, DDPStrategyError
 from ddp_strategy.evaluation.coordinator import ExactEvaluation
 from ddp_strategy.evaluation.loops import install_exact_loops
 from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
@@ -44,7 +44,7 @@ from ddp_strategy.handshake import (
     seed_summary,
     train_sampler_seeds,
 )
-from ddp_strategy.positions import call_site
+from ddp_strategy.positions import Position, call_site
 from ddp_strategy.sampling import skip_consumed_batches
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
@@ -228,7 +228,9 @@ class SafeDDPStrategy(DDPStrategy):
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         created = not dist.is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        store = _elastic_attempt_store(self.world_size, self._timeout) if created else None
+        extra = {"store": store} if store is not None else {}
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, **extra)
         if created and self._process_group_backend != "nccl":  # Lightning registers this for NCCL itself
             # The default group outlives teardown (fit, then validate/test, reuse it, as in stock Lightning) and
             # is destroyed when the process exits.
@@ -289,7 +291,68 @@ class SafeDDPStrategy(DDPStrategy):
         self._failed = True
         if self._control is not None:
             self._control.note_failure(exception)
+            if not isinstance(exception, DDPStrategyError):  # ours already name the ranks involved
+                self._name_failed_peers(exception)
         super().on_exception(exception)
+
+    def _name_failed_peers(self, exception: BaseException) -> None:
+        """Log which other ranks failed first or are gone, after an error on this rank that names no rank.
+
+        A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address.
+        Peers that published a failure are named at once; peers whose heartbeat does not move within
+        ``max(1 s, 3 heartbeat intervals)`` are named as gone. Logs nothing when every peer is alive.
+        """
+        control = self._control
+        if control is None or control.world_size < 2:
+            return
+        cause = f"{type(exception).__name__}: {exception}".splitlines()[0][:200]
+        try:
+            first = control.read_positions()
+            failed = {r: p for r, p in first.items() if r != self.global_rank and p is not None and p.kind == "failed"}
+            if failed:
+                names = "; ".join(f"rank {r} {p.describe()}" for r, p in sorted(failed.items()))
+                log.error(
+                    "ddp_strategy: rank %d stops after %s. The first failure was on another rank: %s. Look at "
+                    "that rank's own error for the cause.",
+                    self.global_rank,
+                    cause,
+                    names,
+                )
+                return
+            pending = {r for r, p in first.items() if r != self.global_rank and p is not None}
+            latest = first
+            if control.heartbeat_interval > 0:
+                deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval)
+                while pending and time.monotonic() < deadline:
+                    time.sleep(min(0.1, control.heartbeat_interval / 2))
+                    latest = control.read_positions()
+                    pending = {r for r in pending if not _moved(first[r], latest[r])}
+            else:
+                pending = set()
+        except Exception as err:  # the store is gone with the process that hosts it
+            log.error(
+                "ddp_strategy: rank %d stops after %s, and the rendezvous store is unreachable (%s): rank 0 (or, "
+                "under torchrun, node 0's agent), which hosts it, has most likely died or exited. Look at its output "
+                "(or its exit signal) for the cause.",
+                self.global_rank,
+                cause,
+                err,
+            )
+            return
+        gone = sorted(pending | {r for r, p in first.items() if p is None and r != self.global_rank})
+        if gone:
+            seen = "; ".join(
+                f"rank {r}: " + ("never published a position" if latest[r] is None else latest[r].describe())  # type: ignore[union-attr]
+                for r in gone
+            )
+            log.error(
+                "ddp_strategy: rank %d stops after %s. Rank(s) %s stopped sending heartbeats: killed (SIGKILL, "
+                "out-of-memory killer), crashed without a Python error, or exited early. Last seen: %s.",
+                self.global_rank,
+                cause,
+                ", ".join(map(str, gone)),
+                seen,
+            )
 
     @override
     def teardown(self) -> None:
@@ -503,13 +566,24 @@ class SafeDDPStrategy(DDPStrategy):
 
         if self._control is None:
             return read(str(checkpoint_path))
-        _, checkpoint = protocol.load(control=self._control, read=read, path=str(checkpoint_path))
+        chosen, checkpoint = protocol.load(control=self._control, read=read, path=str(checkpoint_path))
+        protocol.check_resumable(checkpoint, chosen)
+        self._loaded_path = chosen
         self._resumed = {
             PACKAGE_KEY: checkpoint.get(PACKAGE_KEY),
             "global_step": checkpoint.get("global_step", 0),
             "skip_batches": protocol.batches_done_mid_epoch(checkpoint),
         }
         return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        if strict and module is not None:  # name every differing key, and what to do, before loading any
+            keys = list(module.state_dict())
+            path = getattr(self, "_loaded_path", "the checkpoint")
+            protocol.check_model_keys(dict(checkpoint), keys, path, type(module).__name__)
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -586,3 +660,31 @@ class SafeDDPStrategy(DDPStrategy):
             f"ddp_strategy: {stage} handshake passed on {self.world_size} rank(s) "
             f"({len(facts.tensors)} tensors compared) in {self.last_handshake_seconds * 1000:.1f} ms"
         )
+
+
+def _moved(before: Position | None, after: Position | None) -> bool:
+    """Whether a rank showed life between two reads of its position (a new heartbeat, or a published failure)."""
+    if after is None:
+        return False
+    return after.kind == "failed" or before is None or after.heartbeat > before.heartbeat
+
+
+def _elastic_attempt_store(world_size: int, timeout: timedelta | None) -> Any:
+    """Under a restarted torchrun job, the agent's store seen through a namespace of this attempt; else ``None``.
+
+    torchrun (c10d rendezvous) shares its agent's TCPStore with the workers and keeps it across restarts, but
+    ``init_process_group(init_method="env://")`` no longer namespaces its keys by attempt, so the restarted workers
+    read the previous attempt's gloo/NCCL addresses and fail with "Connection refused" (pytorch/pytorch#135712).
+    Prefixing with ``TORCHELASTIC_RESTART_COUNT``, as torch itself did before, keeps every attempt apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return None
+    client = dist.TCPStore(  # type: ignore[attr-defined]
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=False,
+        timeout=timeout if timeout is not None else timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"/worker/attempt_{attempt}", client)  # type: ignore[attr-defined]

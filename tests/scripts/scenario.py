@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import ddp_strategy
 from ddp_strategy import SafeDDPStrategy
 from ddp_strategy.callbacks import HangWatchdog, ShardingCheck, StragglerMonitor, WeightSyncCheck
+from ddp_strategy.testing import Fault, FaultInjector
 
 
 class TinyModel(pl.LightningModule):
@@ -118,6 +119,8 @@ def callbacks(args: argparse.Namespace) -> list[Any]:
         found.append(WeightSyncCheck(every_n_steps=args.weight_sync_check))
     if args.sharding_check:
         found.append(ShardingCheck(batches=2, on_duplicate=args.sharding_check))
+    if args.fault:  # ddp_strategy.testing: KIND:RANK:STEP[:ARG], first torchrun attempt only
+        found.append(FaultInjector([Fault.parse(spec) for spec in args.fault]))
     return found
 
 
@@ -172,6 +175,23 @@ def sharding_result(trainer: pl.Trainer) -> dict[str, Any] | None:
     }
 
 
+def report_ranks(trainer: pl.Trainer, directory: str) -> None:
+    """Write this rank's global/local/node rank, world size and checkpoint-writer role to DIRECTORY/rank<g>.json."""
+    strategy = trainer.strategy
+    facts = {
+        "global_rank": trainer.global_rank,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
+        "world_size": trainer.world_size,
+        "is_writer": bool(getattr(strategy, "_is_writer", trainer.is_global_zero)),
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")},
+        "global_step": trainer.global_step,
+    }
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(facts, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
@@ -207,6 +227,8 @@ def main() -> None:
     parser.add_argument("--sampler-seed-per-rank", action="store_true", help="user DistributedSampler(seed=rank)")
     parser.add_argument("--constant-data", action="store_true", help="every training sample holds the same values")
     parser.add_argument("--train-size", type=int, default=0, help="training samples (default 64)")
+    parser.add_argument("--fault", action="append", help="FaultInjector fault KIND:RANK:STEP[:ARG] (repeatable)")
+    parser.add_argument("--rank-report", help="every rank writes its ranks and checkpoint role to DIR/rank<g>.json")
     args = parser.parse_args()
 
     def report_process_group_at_exit() -> None:  # registered first, so it runs after the strategy's own handler
@@ -254,6 +276,8 @@ def main() -> None:
         if args.scenario == "two_fits":
             trainer.validate(model, val, verbose=False)
         handshake_seconds.append(getattr(trainer.strategy, "last_handshake_seconds", None))
+    if args.rank_report:
+        report_ranks(trainer, args.rank_report)
     if trainer.is_global_zero and args.save_weights:
         torch.save(model.state_dict(), args.save_weights)
     if trainer.is_global_zero:

@@ -28,9 +28,14 @@ from ddp_strategy.checkpoint import rng
 from ddp_strategy.checkpoint.format import IntegrityRecord, verify
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY, RNG_STATES_KEY, WORLD_SIZE_KEY
 from ddp_strategy.control import ControlPlane
-from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, DDPStrategyError
+from ddp_strategy.errors import (
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    DDPStrategyError,
+)
 
-__all__ = ["load", "resolve", "save"]
+__all__ = ["check_model_keys", "check_resumable", "load", "resolve", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +251,64 @@ def batches_done_mid_epoch(checkpoint: dict[str, Any]) -> int:
         return int(loops["epoch_loop.batch_progress"]["current"]["processed"])
     except (KeyError, TypeError, ValueError):
         return 0
+
+
+def _listed(keys: list[str], limit: int = 10) -> str:
+    shown = keys[:limit]
+    return ", ".join(repr(k) for k in shown) + (f", ... and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_resumable(checkpoint: dict[str, Any], path: str) -> None:
+    """Refuse a file that holds weights only (a plain or DDP ``module.``-prefixed ``state_dict``) as ``ckpt_path``.
+
+    ``trainer.fit(ckpt_path=...)`` resumes a whole training state (weights, optimizer, loops, RNG); a bare state
+    dict has none of it, and Lightning would fail later with a ``KeyError``.
+
+    Raises:
+        CheckpointMismatchError: ``checkpoint`` has no ``"state_dict"`` entry.
+
+    """
+    if "state_dict" in checkpoint:
+        return
+    tensors = sorted(k for k, v in checkpoint.items() if hasattr(v, "shape"))
+    if tensors and all(k.startswith("module.") for k in tensors):
+        what = f"a DDP-saved state_dict ({len(tensors)} tensors, every key starts with 'module.')"
+    elif tensors:
+        what = f"a plain state_dict ({len(tensors)} tensors, e.g. {_listed(tensors, 3)})"
+    else:
+        what = f"not a Lightning checkpoint (top-level keys: {_listed(sorted(map(str, checkpoint)), 5)})"
+    raise CheckpointMismatchError(
+        f"'{path}' is {what}: it holds no training state (no 'state_dict', optimizer or loop entries), so "
+        "trainer.fit(ckpt_path=...) cannot resume from it. To start training from these weights, load them into "
+        "the network before fit, without ckpt_path: `ddp_strategy.checkpoint.export.load_into(model.net, path)` "
+        "(it removes DDP's 'module.' prefix; `strip_prefix=` removes others). `ddp-ckpt inspect PATH` shows what "
+        "the file holds.",
+        path=path,
+    )
+
+
+def check_model_keys(checkpoint: dict[str, Any], model_keys: list[str], path: str, model_name: str) -> None:
+    """Refuse, before loading anything, a checkpoint whose ``state_dict`` keys differ from the model's.
+
+    Raises:
+        CheckpointMismatchError: listing the missing and unexpected keys (up to 10 of each).
+
+    """
+    section = checkpoint.get("state_dict")
+    if not isinstance(section, dict):
+        return
+    ours, theirs = set(model_keys), set(section)
+    missing, unexpected = sorted(ours - theirs), sorted(theirs - ours)
+    if not (missing or unexpected):
+        return
+    parts = [f"Checkpoint '{path}' does not match {model_name}: it was written for another model or configuration."]
+    if missing:
+        parts.append(f"{len(missing)} key(s) of the model are missing from it: {_listed(missing)}.")
+    if unexpected:
+        parts.append(f"{len(unexpected)} key(s) in it are unexpected: {_listed(unexpected)}.")
+    parts.append(
+        "Resume with the checkpoint of this model (same architecture and hyperparameters). To start a new run from "
+        "the weights that match, call `ddp_strategy.checkpoint.export.load_into(model, path, strict=False)` and fit "
+        "without ckpt_path; to resume anyway, set `model.strict_loading = False`."
+    )
+    raise CheckpointMismatchError(" ".join(parts), path=path, missing=missing, unexpected=unexpected)

@@ -31,7 +31,7 @@ from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
-from ddp_strategy.errors import CheckpointWriteError, DDPStrategyError
+from ddp_strategy.errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError
 from ddp_strategy.evaluation.coordinator import ExactEvaluation
 from ddp_strategy.evaluation.loops import install_exact_loops
 from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
@@ -578,12 +578,18 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        if strict and module is not None:  # name every differing key, and what to do, before loading any
-            keys = list(module.state_dict())
+        try:
+            super().load_model_state_dict(checkpoint, strict=strict)
+        except RuntimeError as err:  # torch's strict-loading error: list the keys and say what to do
+            module = self.lightning_module
+            if not strict or module is None or "Error(s) in loading state_dict" not in str(err):
+                raise
             path = getattr(self, "_loaded_path", "the checkpoint")
-            protocol.check_model_keys(dict(checkpoint), keys, path, type(module).__name__)
-        super().load_model_state_dict(checkpoint, strict=strict)
+            try:
+                protocol.check_model_keys(dict(checkpoint), list(module.state_dict()), path, type(module).__name__)
+            except CheckpointMismatchError as mismatch:
+                raise mismatch from err
+            raise
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

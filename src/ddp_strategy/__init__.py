@@ -8,12 +8,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from ddp_strategy.errors import (
     CheckpointIntegrityError,
+    CheckpointMismatchError,
     CheckpointWriteError,
     CollectiveMismatchError,
     DDPStrategyError,
     DuplicateDeviceError,
     RankDivergenceError,
     SetupMismatchError,
+    ShardingError,
     UnevenEvaluationError,
     UnsafeCheckpointError,
 )
@@ -22,6 +24,7 @@ from ddp_strategy.strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
 __all__ = [
     "DEFAULT_BARRIER_TIMEOUT",
     "CheckpointIntegrityError",
+    "CheckpointMismatchError",
     "CheckpointWriteError",
     "CollectiveMismatchError",
     "DDPStrategyError",
@@ -29,6 +32,7 @@ __all__ = [
     "RankDivergenceError",
     "SafeDDPStrategy",
     "SetupMismatchError",
+    "ShardingError",
     "UnevenEvaluationError",
     "UnsafeCheckpointError",
     "__version__",

@@ -157,6 +157,7 @@ def test_resume_on_another_world_size_warns_and_reseeds(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 10 trials of launch, kill and resume: about 2.5 min on a quiet 2-core machine
 def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tmp_path):
     """10 trials: SIGKILL the whole job while it checkpoints every step (half at a random moment, half while a write
     is in progress), with $TMPDIR on another filesystem (/dev/shm) than the checkpoint directory. Every .ckpt left

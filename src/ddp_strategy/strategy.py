@@ -19,10 +19,8 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection, _in
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy.callbacks.sharding_check import ensure_sharding_check
@@ -32,9 +30,7 @@ from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY
 from ddp_strategy.control import ControlPlane, to_timedelta
 from ddp_strategy.errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError
-from ddp_strategy.evaluation.coordinator import ExactEvaluation
-from ddp_strategy.evaluation.loops import install_exact_loops
-from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
+from ddp_strategy.evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
 from ddp_strategy.handshake import (
     RankFacts,
     check_devices,
@@ -44,7 +40,8 @@ from ddp_strategy.handshake import (
     seed_summary,
     train_sampler_seeds,
 )
-from ddp_strategy.positions import Position, call_site
+from ddp_strategy.peers import describe_failed_peers
+from ddp_strategy.positions import call_site
 from ddp_strategy.sampling import skip_consumed_batches
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
@@ -144,7 +141,6 @@ class SafeDDPStrategy(DDPStrategy):
         self._writer: AsyncCheckpointWriter | None = None  # rank 0's background writer when async_save
         self.exact_evaluation = exact_evaluation
         self._exact = ExactEvaluation(self._control_plane_or_none, predictions_on=predictions_on)
-        self._warned: set[str] = set()
         if sharding_check is not None and sharding_check not in _SHARDING_CHECK:
             choices = sorted(_SHARDING_CHECK)
             raise ValueError(f"`sharding_check` must be one of {choices} or None, got {sharding_check!r}.")
@@ -245,8 +241,8 @@ class SafeDDPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._handshake_done = False
-        if self.exact_evaluation and self.world_size > 1:
-            self._install_exact_evaluation(trainer)
+        if self.exact_evaluation and self.world_size > 1 and not self._exact.install(trainer):
+            self.exact_evaluation = False
         if self.sharding_check is not None and self.world_size > 1:
             ensure_sharding_check(trainer, "raise" if self.sharding_check == "raise" else "warn")
 
@@ -292,67 +288,10 @@ class SafeDDPStrategy(DDPStrategy):
         if self._control is not None:
             self._control.note_failure(exception)
             if not isinstance(exception, DDPStrategyError):  # ours already name the ranks involved
-                self._name_failed_peers(exception)
+                message = describe_failed_peers(self._control, self.global_rank, exception)
+                if message is not None:
+                    log.error(message)
         super().on_exception(exception)
-
-    def _name_failed_peers(self, exception: BaseException) -> None:
-        """Log which other ranks failed first or are gone, after an error on this rank that names no rank.
-
-        A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address.
-        Peers that published a failure are named at once; peers whose heartbeat does not move within
-        ``max(1 s, 3 heartbeat intervals)`` are named as gone. Logs nothing when every peer is alive.
-        """
-        control = self._control
-        if control is None or control.world_size < 2:
-            return
-        cause = f"{type(exception).__name__}: {exception}".splitlines()[0][:200]
-        try:
-            first = control.read_positions()
-            failed = {r: p for r, p in first.items() if r != self.global_rank and p is not None and p.kind == "failed"}
-            if failed:
-                names = "; ".join(f"rank {r} {p.describe()}" for r, p in sorted(failed.items()))
-                log.error(
-                    "ddp_strategy: rank %d stops after %s. The first failure was on another rank: %s. Look at "
-                    "that rank's own error for the cause.",
-                    self.global_rank,
-                    cause,
-                    names,
-                )
-                return
-            pending = {r for r, p in first.items() if r != self.global_rank and p is not None}
-            latest = first
-            if control.heartbeat_interval > 0:
-                deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval)
-                while pending and time.monotonic() < deadline:
-                    time.sleep(min(0.1, control.heartbeat_interval / 2))
-                    latest = control.read_positions()
-                    pending = {r for r in pending if not _moved(first[r], latest[r])}
-            else:
-                pending = set()
-        except Exception as err:  # the store is gone with the process that hosts it
-            log.error(
-                "ddp_strategy: rank %d stops after %s, and the rendezvous store is unreachable (%s): rank 0 (or, "
-                "under torchrun, node 0's agent), which hosts it, has most likely died or exited. Look at its output "
-                "(or its exit signal) for the cause.",
-                self.global_rank,
-                cause,
-                err,
-            )
-            return
-        gone = sorted(pending | {r for r, p in first.items() if p is None and r != self.global_rank})
-        if gone:
-            seen = "; ".join(
-                f"rank {r}: " + ("never published a position" if latest[r] is None else latest[r].describe())  # type: ignore[union-attr]
-                for r in gone
-            )
-            log.error(
-                "ddp_strategy: rank %d stops after %s. Rank(s) %s stopped sending heartbeats: killed (SIGKILL, "
-                "out-of-memory killer), crashed without a Python error, or exited early. Last seen: %s.",
-                self.global_rank,
-                cause,
-                ", ".join(map(str, gone)),
-                seen,
-            )
 
     @override
     def teardown(self) -> None:
@@ -431,48 +370,8 @@ class SafeDDPStrategy(DDPStrategy):
             return getattr(self.lightning_module, hook)(*args, **kwargs)
 
     def _sync_buffers_before_evaluation(self) -> None:
-        """Do, on every rank at once, the buffer broadcast DDP would do in the first evaluation forward."""
-        model = self.model
-        if self.exact_evaluation_coordinator is None or not isinstance(model, DistributedDataParallel):
-            return
-        if model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
-            model._sync_buffers()  # type: ignore[no-untyped-call]
-        model.require_forward_param_sync = False  # as after DDP's own forward without gradients
-
-    def _install_exact_evaluation(self, trainer: pl.Trainer) -> None:
-        custom = install_exact_loops(trainer)
-        if custom:
-            self.exact_evaluation = False
-            rank_zero_warn(
-                f"ddp_strategy: exact evaluation is off because these Trainer loops are customised: {custom}. "
-                "Evaluation uses Lightning's padded DistributedSampler (samples may be counted twice)."
-            )
-            return
-        connector = trainer._data_connector
-        prepare = connector._prepare_dataloader
-        if getattr(prepare, "__ddp_strategy__", False):
-            return
-
-        def prepare_dataloader(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
-            if mode == RunningStage.TRAINING or self.exact_evaluation_coordinator is None:
-                return prepare(dataloader, shuffle, mode)
-            if not trainer._accelerator_connector.use_distributed_sampler:
-                return prepare(dataloader, shuffle, mode)  # the user shards by themselves
-            result = shard_evaluation_dataloader(
-                dataloader,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                predicting=mode == RunningStage.PREDICTING,
-                name=f"{mode.dataloader_prefix}_dataloader",
-                seed=int(os.getenv("PL_GLOBAL_SEED", "0")),
-            )
-            if result.warning is not None and result.warning not in self._warned:
-                self._warned.add(result.warning)
-                rank_zero_warn(result.warning)
-            return result.dataloader if result.sharded else prepare(dataloader, shuffle, mode)
-
-        prepare_dataloader.__ddp_strategy__ = True  # type: ignore[attr-defined]
-        connector._prepare_dataloader = prepare_dataloader  # type: ignore[method-assign]
+        if self.exact_evaluation_coordinator is not None:
+            sync_buffers_before_evaluation(self.model)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -666,13 +565,6 @@ class SafeDDPStrategy(DDPStrategy):
             f"ddp_strategy: {stage} handshake passed on {self.world_size} rank(s) "
             f"({len(facts.tensors)} tensors compared) in {self.last_handshake_seconds * 1000:.1f} ms"
         )
-
-
-def _moved(before: Position | None, after: Position | None) -> bool:
-    """Whether a rank showed life between two reads of its position (a new heartbeat, or a published failure)."""
-    if after is None:
-        return False
-    return after.kind == "failed" or before is None or after.heartbeat > before.heartbeat
 
 
 def _elastic_attempt_store(world_size: int, timeout: timedelta | None) -> Any:

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_strategy.errors import UnevenEvaluationError
 from ddp_strategy.evaluation.logged import active_keys, add_missing_entries, merge_keys
+from ddp_strategy.evaluation.loops import install_exact_loops
+from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from ddp_strategy.control import ControlPlane
 
-__all__ = ["PREDICTIONS_ON", "ExactEvaluation", "interleave_batches"]
+__all__ = ["PREDICTIONS_ON", "ExactEvaluation", "interleave_batches", "sync_buffers_before_evaluation"]
 
 #: Where ``trainer.predict`` returns the predictions of all ranks.
 PREDICTIONS_ON = frozenset({"global_zero", "all"})
@@ -51,6 +57,23 @@ def interleave_batches(per_rank: Sequence[Sequence[Any]]) -> list[Any]:
     return [per_rank[i % world][i // world] for i in range(total)]
 
 
+def sync_buffers_before_evaluation(model: object) -> None:
+    """Do, on every rank at once, the buffer broadcast DDP would do in its first evaluation forward.
+
+    Evaluation steps then bypass the DDP wrapper, whose first forward would broadcast buffers: a hidden collective
+    that a rank with fewer (or no) steps would miss.
+
+    Args:
+        model: the strategy's model; anything but a ``DistributedDataParallel`` is left alone.
+
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return
+    if model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
+        model._sync_buffers()  # type: ignore[no-untyped-call]
+    model.require_forward_param_sync = False  # as after DDP's own forward without gradients
+
+
 class ExactEvaluation:
     """Exact-evaluation state of one strategy: step-count agreement, logged-key agreement, prediction gathering.
 
@@ -69,6 +92,52 @@ class ExactEvaluation:
         #: Batches per dataloader on each rank in the current evaluation loop.
         self.batches_per_rank: list[list[float]] = []
         self._in_step: str | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ installation
+    def install(self, trainer: pl.Trainer) -> bool:
+        """Switch ``trainer`` to exact evaluation: its loops, and how its evaluation dataloaders are prepared.
+
+        Returns:
+            ``False`` (with a warning, nothing changed) when one of the Trainer's loops is a customised class.
+
+        """
+        custom = install_exact_loops(trainer)
+        if custom:
+            rank_zero_warn(
+                f"ddp_strategy: exact evaluation is off because these Trainer loops are customised: {custom}. "
+                "Evaluation uses Lightning's padded DistributedSampler (samples may be counted twice)."
+            )
+            return False
+        connector = trainer._data_connector
+        prepare = connector._prepare_dataloader
+        if getattr(prepare, "__ddp_strategy__", False):
+            return True
+
+        def prepare_dataloader(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            strategy = trainer.strategy
+            if (
+                mode == RunningStage.TRAINING
+                or getattr(strategy, "exact_evaluation_coordinator", None) is not self
+                or not trainer._accelerator_connector.use_distributed_sampler  # the user shards by themselves
+            ):
+                return prepare(dataloader, shuffle, mode)
+            result = shard_evaluation_dataloader(
+                dataloader,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                predicting=mode == RunningStage.PREDICTING,
+                name=f"{mode.dataloader_prefix}_dataloader",
+                seed=int(os.getenv("PL_GLOBAL_SEED", "0")),
+            )
+            if result.warning is not None and result.warning not in self._warned:
+                self._warned.add(result.warning)
+                rank_zero_warn(result.warning)
+            return result.dataloader if result.sharded else prepare(dataloader, shuffle, mode)
+
+        prepare_dataloader.__ddp_strategy__ = True  # type: ignore[attr-defined]
+        connector._prepare_dataloader = prepare_dataloader  # type: ignore[method-assign]
+        return True
 
     # ------------------------------------------------------------------ step counts
     def on_loop_start(self, max_batches: Sequence[int | float]) -> None:

@@ -7,14 +7,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-fast lint docs format bench clean
+.PHONY: help install demo test test-fast lint docs format bench bench-quick clean
 
 help:
 	@echo "make demo   - set up .venv, train the CIFAR-10 example on 2 CPU processes with SafeDDPStrategy"
 	@echo "make test   - set up .venv, run lint (ruff, mypy) and the whole test suite"
 	@echo "make lint   - ruff + mypy only"
 	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
-	@echo "make bench  - run the benchmarks under bench/"
+	@echo "make bench  - run the benchmarks under bench/ (suite, handshake, checkpoint save)"
+	@echo "make bench-quick - CI smoke run of the benchmark suite (about 2 minutes; fails on a wide target miss)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,8 +49,12 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests examples bench
 
 bench: $(STAMP)
+	$(PY) bench/suite.py
 	$(PY) bench/handshake.py
 	$(PY) bench/checkpoint_save.py
+
+bench-quick: $(STAMP)
+	$(PY) bench/suite.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

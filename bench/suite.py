@@ -10,11 +10,11 @@ What runs (every job is a fresh set of processes started with torchrun, gloo, on
   (raw PyTorch DDP loop, stock ``DDPStrategy``, ``SafeDDPStrategy()``, ``SafeDDPStrategy`` with every callback, and
   at world size 2 on CIFAR-10 ``SafeDDPStrategy`` with only ``WeightSyncCheck`` / only ``StragglerMonitor``) with
   the same model, data, batch size, seed and number of steps, interleaved step by step (A B C D A B C D ...; see
-  ``bench/workloads/run.py``), in an order rotated every round. The first ``warmup`` steps of every fit are not
+  ``bench/workloads/run.py``), in a new (seeded) order every round. The first ``warmup`` steps of every fit are not
   timed, and each job starts with an untimed warm-up group.
-* Cold start, ``--cold-repeats`` times (default 3) at world size 2: one CIFAR-10 fit of 3 steps in fresh processes
-  with each variant's own launcher (torchrun for the raw loop, Lightning's subprocess launcher for the others),
-  timed from process launch to the end of the first step.
+* Cold start at world size 2, from process launch to the end of the first step: ``--cold-repeats`` times (default
+  3) one CIFAR-10 fit of 3 steps of stock and of safe, each in fresh processes started by Lightning's subprocess
+  launcher; for the raw loop (torchrun), the first fit of every steady-state job at world size 2.
 
 Figures: per fit, the steady-state step time (mean over the timed window, plus any periodic check the window is
 short of at its measured cost), the training thread's CPU time per step, the start-up turn (``fit`` call to the end
@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 import subprocess
@@ -116,18 +117,19 @@ def full_config(rounds: int = 5, cold_repeats: int = 3) -> Config:
         world_sizes=(1, 2),
         workloads=("cifar", "mlp"),
         batch_size={"cifar": 16, "mlp": 8},
-        warmup={"cifar": 5, "mlp": 3},
-        timed={"cifar": 50, "mlp": 30},
+        warmup={"cifar": 5, "mlp": 2},
+        timed={"cifar": 30, "mlp": 12},
         seed=1234,
         cold_repeats=cold_repeats,
         quick=False,
     )
 
 
-def quick_config(rounds: int = 5) -> Config:
+def quick_config(rounds: int = 7) -> Config:
     config = full_config(rounds=rounds, cold_repeats=0)
     config.world_sizes = (2,)
     config.workloads = ("cifar",)
+    config.timed = {"cifar": 25}
     config.quick = True
     return config
 
@@ -146,6 +148,13 @@ def rotated(names: list[str], by: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def shuffled(names: list[str], seed: int) -> list[str]:
+    """A seeded shuffle: every round a new order, so no variant always follows the same other variant."""
+    order = list(names)
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def group(config: Config, workload: str, world_size: int, round_: int, record: bool = True) -> dict[str, Any]:
     return {
         "workload": workload,
@@ -153,12 +162,15 @@ def group(config: Config, workload: str, world_size: int, round_: int, record: b
         "record": record,
         "warmup": config.warmup[workload],
         "timed": config.timed[workload],
-        "variants": rotated(variants_for(config, workload, world_size), round_),
+        "variants": shuffled(variants_for(config, workload, world_size), config.seed * 1000 + 10 * round_ + world_size),
     }
 
 
 def warmup_group(config: Config, world_size: int) -> dict[str, Any]:
-    """Untimed: two steps of every CIFAR-10 variant, so first-use costs of the process land in no timed fit."""
+    """Untimed: two steps of every CIFAR-10 variant, so first-use costs of the process land in no timed fit.
+
+    The raw loop goes first: process launch to the end of its first step is the raw loop's cold start (torchrun).
+    """
     return {
         "workload": "cifar",
         "round": -1,
@@ -188,7 +200,7 @@ def steady_jobs(config: Config) -> list[dict[str, Any]]:
 def cold_jobs(config: Config) -> list[dict[str, Any]]:
     jobs = []
     for r in range(config.cold_repeats):
-        for variant in rotated(["raw", "stock", "safe"], r):
+        for variant in rotated(["stock", "safe"], r):  # the raw loop's cold start comes from the steady jobs
             g = {"workload": "cifar", "round": r, "record": True, "warmup": 1, "timed": 2, "variants": [variant]}
             jobs.append({"kind": "cold", "world_size": 2, "groups": [g]})
     return jobs
@@ -200,8 +212,7 @@ def run_job(job: dict[str, Any], config: Config, tmp: Path, index: int, timeout:
     ws = job["world_size"]
     plan = {"world_size": ws, "seed": config.seed, "batch_size": config.batch_size, "groups": job["groups"]}
     plan_path, out, log = tmp / f"plan{index}.json", tmp / f"out{index}", tmp / f"job{index}.log"
-    lightning_launcher = job["kind"] == "cold" and job["groups"][0]["variants"] != ["raw"]
-    if lightning_launcher:
+    if job["kind"] == "cold":  # Lightning's own launcher
         cmd = [sys.executable, str(WORKER)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ws}", str(WORKER)]
@@ -220,16 +231,38 @@ def run_job(job: dict[str, Any], config: Config, tmp: Path, index: int, timeout:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            with contextlib.suppress(ProcessLookupError):  # torchrun stops its workers on SIGTERM
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=20)
             raise RuntimeError(f"job {index} timed out after {timeout:.0f} s; log: {log}\n{tail(log)}") from None
         finally:
-            with contextlib.suppress(ProcessLookupError):  # nothing of the job may outlive it
+            # Nothing of the job may outlive it: its process group, and torchrun's workers (each in its own
+            # session), found by this job's unique plan path on their command line.
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            for pid in job_processes(plan_path):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     if proc.returncode != 0:
         raise RuntimeError(f"job {index} failed with exit code {proc.returncode}; log: {log}\n{tail(log)}")
     ranks = [json.loads((tmp / f"out{index}.rank{r}.json").read_text()) for r in range(ws)]
     return {**job, "seconds": time.monotonic() - start, "ranks": ranks}
+
+
+def job_processes(plan_path: Path) -> list[int]:
+    """Processes whose command line holds ``plan_path`` (unique to one job)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(plan_path).encode() in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -366,12 +399,13 @@ def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def cold_starts(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Launch to the end of the first step at 2 ranks: Lightning's launcher (cold jobs), torchrun (raw, steady jobs)."""
     runs: dict[str, list[dict[str, float]]] = {}
     for job in jobs:
-        if job["kind"] != "cold":
-            continue
         rank0 = job["ranks"][0]
         fit = rank0["fits"][0]
+        if job["kind"] == "steady" and (job["world_size"] != 2 or fit["variant"] != "raw" or fit["record"]):
+            continue  # a steady job counts only when its first (warm-up) fit is the raw loop's
         launch = rank0["launch_time"]
         runs.setdefault(fit["variant"], []).append(
             {
@@ -449,9 +483,13 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         f"{meta['ddp_strategy']} ({meta['git']}); load average {meta['loadavg_start'][0]:.1f} at the start, "
         f"{meta['loadavg_end'][0]:.1f} at the end. CIFAR-10 data: {meta['data_source']}.",
         "",
-        f"{config['rounds']} rounds; per fit {config['warmup']} untimed warm-up steps then {config['timed']} timed "
-        f"steps (per workload); batch size per rank {config['batch_size']}; one thread per rank; variants interleaved "
-        "step by step in the same processes.",
+        f"{config['rounds']} rounds; per fit "
+        + ", ".join(
+            f"{w}: {config['warmup'][w]} untimed warm-up + {config['timed'][w]} timed steps, "
+            f"batch {config['batch_size'][w]} per rank"
+            for w in config["timed"]
+        )
+        + "; one thread and one core per rank; variants interleaved step by step in the same processes.",
         "",
         "Step time (ms): median over rounds [min, max]; CPU = the training thread's CPU time per step.",
         "",
@@ -578,12 +616,22 @@ def chart(result: dict[str, Any], analysis: dict[str, Any], path: Path) -> Path 
         if xs:
             ax_ratio.bar(xs, [y - 1 for y in ys], width, bottom=1, color=colours[variant], label=LABELS[variant])
             ax_ratio.errorbar(xs, ys, yerr=[lo, hi], fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+            cpu = [
+                rows[(w, ws, variant)]["cpu_step_s"]["median"] / rows[(w, ws, "stock")]["cpu_step_s"]["median"]
+                for w, ws in cells
+                if (w, ws, variant) in rows and (w, ws, "stock") in rows
+            ]
+            ax_ratio.plot(xs, cpu, "D", color="black", markersize=4, label="CPU-time ratio" if i == 0 else None)
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.axhline(1.01, color="tab:green", linestyle="--", linewidth=1, label="target safe/stock 1.01")
     ax_ratio.axhline(1.03, color="tab:orange", linestyle="--", linewidth=1, label="target all checks/stock 1.03")
     ax_ratio.set_xticks(range(len(cells)), [f"{w}\n{ws} rank{'s' * (ws > 1)}" for w, ws in cells])
     ax_ratio.set_ylabel("step time / stock Lightning DDP (median)")
-    ax_ratio.set_title("Step time relative to stock DDPStrategy\n(whiskers: min/max of per-round ratios)")
+    ax_ratio.set_title(
+        "Step time relative to stock DDPStrategy (bars: wall clock, whiskers: min/max\n"
+        "of per-round ratios; diamonds: training-thread CPU time per step)",
+        fontsize="small",
+    )
     ax_ratio.legend(fontsize="x-small", loc="upper left", ncol=2)
     # 2. absolute step time with min/max
     for i, variant in enumerate(ALL_VARIANTS):
@@ -625,7 +673,7 @@ def chart(result: dict[str, Any], analysis: dict[str, Any], path: Path) -> Path 
         ax_start.barh(names, imports, color="tab:grey", label="launch to imports done (rank 0)")
         ax_start.barh(names, rest, left=imports, color="tab:cyan", label="then to the end of the first step")
         ax_start.set_xlabel("seconds (median)")
-        ax_start.set_title("Cold start at 2 ranks, CIFAR-10 (process launch to first step end)")
+        ax_start.set_title("Cold start, 2 ranks, CIFAR-10: launch to first step end")
         ax_start.legend(fontsize="x-small", loc="lower right")
     else:
         startup = [(r, r["startup_turn_s"]["median"]) for r in analysis["rows"] if r["world_size"] == 2]
@@ -698,12 +746,19 @@ def prepare_cifar(samples: int, seed: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI smoke run; exits 1 when a target is missed widely")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 5 for published figures)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 5, quick 7; at least 5)")
     parser.add_argument("--cold-repeats", type=int, default=3, help="cold-start launches per variant (full mode)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per job before it is killed")
+    parser.add_argument("--report", type=Path, help="only re-render the Markdown and PNG of this results JSON")
     args = parser.parse_args(argv)
-    config = quick_config(args.rounds) if args.quick else full_config(args.rounds, args.cold_repeats)
+    if args.report is not None:
+        result = json.loads(args.report.read_text())
+        analysis = analyse(result)
+        args.report.with_suffix(".md").write_text(markdown(result, analysis))
+        chart(result, analysis, args.report.with_suffix(".png"))
+        return 0
+    config = quick_config(args.rounds or 7) if args.quick else full_config(args.rounds or 5, args.cold_repeats)
     started = time.monotonic()
     meta = metadata()
     meta["data_source"] = prepare_cifar(1000, config.seed) if "cifar" in config.workloads else "not used"

@@ -133,18 +133,19 @@ def test_full_plan_interleaves_every_variant_with_the_same_steps_in_rotated_orde
     cifar2 = [g for j in jobs if j["world_size"] == 2 for g in j["groups"] if g["record"] and g["workload"] == "cifar"]
     assert len(cifar2) == config.rounds
     assert sorted(cifar2[0]["variants"]) == sorted(suite.ALL_VARIANTS)  # issue 5's variants at 2 ranks on CIFAR
-    assert [g["variants"][0] for g in cifar2] != [cifar2[0]["variants"][0]] * config.rounds  # rotated
+    assert len({tuple(g["variants"]) for g in cifar2}) > 1  # a new order every round
     assert {g["workload"] for g in timed} == {"cifar", "mlp"}
     assert all(not g["record"] for j in jobs for g in j["groups"][:1])  # each job starts with a warm-up group
     cold = suite.cold_jobs(config)
-    assert sorted(g["variants"][0] for j in cold for g in j["groups"]) == sorted(["raw", "stock", "safe"] * 3)
+    assert sorted(g["variants"][0] for j in cold for g in j["groups"]) == sorted(["stock", "safe"] * 3)
+    assert all(j["groups"][0]["variants"][0] == "raw" for j in jobs if j["world_size"] == 2)  # raw's cold start
 
 
 def test_quick_plan_is_one_job_at_two_ranks_with_the_gated_variants():
     (quick,) = suite.steady_jobs(suite.quick_config())
     assert quick["world_size"] == 2
     recorded = [g for g in quick["groups"] if g["record"]]
-    assert len(recorded) == 5
+    assert len(recorded) >= 5
     assert all(sorted(g["variants"]) == ["safe", "safe_all", "stock"] for g in recorded)
     assert suite.cold_jobs(suite.quick_config()) == []
 

@@ -621,7 +621,8 @@ def chart(result: dict[str, Any], analysis: dict[str, Any], path: Path) -> Path 
                 for w, ws in cells
                 if (w, ws, variant) in rows and (w, ws, "stock") in rows
             ]
-            ax_ratio.plot(xs, cpu, "D", color="black", markersize=4, label="CPU-time ratio" if i == 0 else None)
+            labelled = any(line.get_label() == "CPU-time ratio" for line in ax_ratio.get_lines())
+            ax_ratio.plot(xs, cpu, "D", color="black", markersize=4, label=None if labelled else "CPU-time ratio")
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.axhline(1.01, color="tab:green", linestyle="--", linewidth=1, label="target safe/stock 1.01")
     ax_ratio.axhline(1.03, color="tab:orange", linestyle="--", linewidth=1, label="target all checks/stock 1.03")
@@ -664,6 +665,10 @@ def chart(result: dict[str, Any], analysis: dict[str, Any], path: Path) -> Path 
     ax_scale.set_title("Scaling efficiency, 1 -> 2 ranks (one core per rank)")
     if workloads:
         ax_scale.legend(fontsize="x-small", loc="lower left")
+    else:
+        ax_scale.text(
+            0.5, 0.5, "not measured (needs world size 1: full mode)", ha="center", transform=ax_scale.transAxes
+        )
     # 4. start-up
     cold = analysis["cold_start"]
     if cold:

@@ -86,6 +86,36 @@ def test_excluded_buffers_are_not_compared_and_warn_mode_warns():
         warn.check(trainer, mine)
 
 
+def test_buffers_that_ddp_broadcasts_at_each_forward_are_not_compared():
+    from torch.nn.parallel import DistributedDataParallel
+
+    def edit(other: Module) -> None:
+        other.bn.running_mean += 1  # what each rank's own batch does to BatchNorm statistics
+        with torch.no_grad():
+            other.lin.bias[0] += 0.5
+
+    check = WeightSyncCheck(every_n_steps=5)
+    trainer, mine = make(check, edit)
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # stands for the strategy's wrapped model
+    ddp.broadcast_buffers = True  # (a property with a setter in torch 2.x)
+    trainer.strategy.model = ddp
+    with pytest.raises(RankDivergenceError) as info:
+        check.check(trainer, mine)
+    assert info.value.tensors == ("lin.bias",)  # the parameter is named; the re-broadcast buffer is not
+    ddp.broadcast_buffers = False  # then DDP leaves buffers alone: a difference stays, and counts
+    with pytest.raises(RankDivergenceError) as info:
+        check.check(trainer, mine)
+    assert set(info.value.tensors) == {"lin.bias", "bn.running_mean"}
+
+
+@pytest.mark.multiprocess
+def test_batchnorm_statistics_are_no_false_alarm(tmp_path):
+    # each rank's BatchNorm statistics differ after every step (its own batch); DDP re-broadcasts them
+    run = run_scenario("fit_ok", tmp_path, "--batchnorm", "--weight-sync-check", "1", "--max-epochs", "2")
+    assert run.returncode == 0 and not run.orphans, run.describe()
+    assert "RankDivergenceError" not in run.output and "WeightSyncCheck" not in run.output
+
+
 @pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"every_n_steps": 1.5}, {"on_mismatch": "ignore"}])
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):

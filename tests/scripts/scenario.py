@@ -31,10 +31,11 @@ from ddp_strategy.testing import Fault, FaultInjector
 
 
 class TinyModel(pl.LightningModule):
-    def __init__(self, scenario: str = "fit_ok", hidden: int = 16) -> None:
+    def __init__(self, scenario: str = "fit_ok", hidden: int = 16, batchnorm: bool = False) -> None:
         super().__init__()
         self.scenario = scenario
-        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 2))
+        norm: list[nn.Module] = [nn.BatchNorm1d(hidden)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(8, hidden), *norm, nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 2))
         self.register_buffer("counter", torch.zeros(1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--save-on", default="global_zero")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=16, help="hidden width (checkpoint size)")
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer (buffers differ per rank)")
     parser.add_argument("--keep-latest-only", action="store_true", help="ModelCheckpoint(save_top_k=1)")
     parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     parser.add_argument("--weight-sync-check", type=int, default=0, help="add WeightSyncCheck(every_n_steps=N)")
@@ -252,7 +254,7 @@ def main() -> None:
             return "safe_ddp"
         return args.strategy
 
-    model = TinyModel(args.scenario, hidden=args.hidden)
+    model = TinyModel(args.scenario, hidden=args.hidden, batchnorm=args.batchnorm)
     train, val = loaders(num_workers=args.num_workers, persistent=args.persistent_workers)
     model, train = sharding_data(args, model, train)
     runs = 2 if args.scenario == "two_fits" else 1

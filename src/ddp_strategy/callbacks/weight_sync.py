@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_strategy.errors import RankDivergenceError
@@ -19,6 +20,12 @@ from ddp_strategy.positions import format_ranks
 __all__ = ["WeightSyncCheck"]
 
 _MAX_LISTED = 5
+
+
+def _buffers_broadcast_each_forward(trainer: pl.Trainer) -> bool:
+    """Whether the strategy's model is a ``DistributedDataParallel`` that re-broadcasts buffers at each forward."""
+    model = getattr(getattr(trainer, "strategy", None), "model", None)
+    return isinstance(model, DistributedDataParallel) and bool(getattr(model, "broadcast_buffers", False))
 
 
 class WeightSyncCheck(Callback):
@@ -33,7 +40,9 @@ class WeightSyncCheck(Callback):
         every_n_steps: check after every this many optimizer steps (``trainer.global_step``).
         on_mismatch: ``"raise"`` a :class:`~ddp_strategy.errors.RankDivergenceError` on every rank, or ``"warn"``.
         exclude: ``fnmatch`` patterns of tensor names to skip, e.g. ``("*.running_mean", "*.running_var")`` for
-            BatchNorm statistics with ``broadcast_buffers=False``.
+            BatchNorm statistics with ``broadcast_buffers=False``. With DDP's default ``broadcast_buffers=True``,
+            buffers are never compared: each rank updates them with its own batch and DDP overwrites them with
+            rank 0's at the next forward, so they differ at every step's end by design.
         include_optimizer_state: also compare the optimizers' state tensors (e.g. Adam moments).
 
     Raises:
@@ -61,6 +70,11 @@ class WeightSyncCheck(Callback):
 
     def _tensors(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, str, Tensor]]:
         tensors = list(named_tensors(pl_module))
+        if _buffers_broadcast_each_forward(trainer):
+            # With DDP's default broadcast_buffers=True each rank updates its buffers (BatchNorm statistics) with
+            # its own batch, and DDP overwrites them with rank 0's at the start of the next forward: they differ
+            # at every step's end by design, and no difference survives. Only parameters (and state) can drift.
+            tensors = [t for t in tensors if t[1] != "buffer"]
         if self.include_optimizer_state:
             for i, optimizer in enumerate(trainer.optimizers):
                 for index, state in optimizer.state_dict()["state"].items():

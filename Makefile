@@ -7,15 +7,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-fast lint docs format bench bench-quick clean
+.PHONY: help install demo test test-fast lint docs format bench bench-quick clean bench-extra
 
 help:
 	@echo "make demo   - set up .venv, train the CIFAR-10 example on 2 CPU processes with SafeDDPStrategy"
 	@echo "make test   - set up .venv, run lint (ruff, mypy) and the whole test suite"
 	@echo "make lint   - ruff + mypy only"
 	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
-	@echo "make bench  - run the benchmarks under bench/ (suite, handshake, checkpoint save)"
+	@echo "make bench  - the benchmark suite (vs stock Lightning and a raw DDP loop) and the handshake cost"
 	@echo "make bench-quick - CI smoke run of the benchmark suite (about 2 minutes; fails on a wide target miss)"
+	@echo "make bench-extra - checkpoint-save and exact-evaluation benchmarks"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +52,10 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/suite.py
 	$(PY) bench/handshake.py
+
+bench-extra: $(STAMP)
 	$(PY) bench/checkpoint_save.py
+	$(PY) bench/exact_eval.py
 
 bench-quick: $(STAMP)
 	$(PY) bench/suite.py --quick

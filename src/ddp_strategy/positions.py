@@ -19,7 +19,7 @@ __all__ = ["Position", "call_site", "format_ranks"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # Frames in these libraries are skipped when looking for the user's own call site.
-_LIBRARY_MARKERS = (
+LIBRARY_MARKERS = (
     f"{os.sep}lightning{os.sep}",
     f"{os.sep}lightning_fabric{os.sep}",
     f"{os.sep}pytorch_lightning{os.sep}",
@@ -107,7 +107,7 @@ def call_site(skip: int = 1) -> str:
         if not path.startswith(_PACKAGE_DIR):
             if first_outside is None:
                 first_outside = frame
-            if not any(marker in path for marker in _LIBRARY_MARKERS):
+            if not any(marker in path for marker in LIBRARY_MARKERS):
                 user = _frame_text(frame)
                 return user if frame is first_outside else f"{user} (via {_frame_text(first_outside)})"
         frame = frame.f_back

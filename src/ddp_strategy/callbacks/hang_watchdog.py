@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from ddp_strategy.control import ControlPlane, Store, to_timedelta
-from ddp_strategy.positions import Position, format_ranks
+from ddp_strategy.positions import LIBRARY_MARKERS, Position, format_ranks
 
 __all__ = ["HANG_EXIT_CODE", "HangWatchdog"]
 
@@ -50,13 +50,7 @@ _ACK_KEY = "hang/ack/{rank}"
 _POLL = 0.05  # seconds between store polls while ranks exchange their reports
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIBRARY_MARKERS = (
-    f"{os.sep}lightning{os.sep}",
-    f"{os.sep}lightning_fabric{os.sep}",
-    f"{os.sep}pytorch_lightning{os.sep}",
-    f"{os.sep}torch{os.sep}",
-    f"{os.sep}torchmetrics{os.sep}",
-)
+
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _C10D_COLLECTIVES = frozenset(
     {
@@ -106,7 +100,7 @@ def _is_user(frame: Frame) -> bool:
     path = frame[0]
     if path.startswith(_PACKAGE_DIR) or (path.startswith(_STDLIB_DIR) and "-packages" not in path):
         return False
-    return not any(marker in path for marker in _LIBRARY_MARKERS)
+    return not any(marker in path for marker in LIBRARY_MARKERS)
 
 
 def _frames(frame: FrameType | None) -> list[Frame]:

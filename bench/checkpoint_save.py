@@ -25,16 +25,25 @@ then N timed rounds; medians with min/max:
    ``/proc/self/clear_refs``), save, read VmHWM. Peak minus baseline is the figure (VmHWM cannot miss a short peak;
    if the reset is refused the script falls back to ``ru_maxrss`` before/after). A 1 ms VmRSS sampler thread runs
    alongside as a cross-check.
-3. Async save: the time ``AsyncCheckpointWriter.submit`` blocks the caller (wait for the previous write, which has
-   already finished; CPU snapshot of every tensor; thread start) as a fraction of the sync ``SafeCheckpointIO``
-   save time (target <= 0.10). ``async submit`` is the steady state (one writer across all rounds, as in training:
+3. Async save: the time training is blocked per save as a fraction of the sync ``SafeCheckpointIO`` save time
+   (target <= 0.10). ``async overlap`` is ``async_snapshot="overlap"`` (``SafeDDPStrategy``'s default): a live
+   model of the same size with Adam, ``submit(..., deferred=parameters and optimizer state)``, then the next
+   forward and backward (batch 32) while the writer thread copies, then ``wait_for_snapshot()`` (the strategy's
+   gate before the optimizer step), then the optimizer step; blocked = submit + that wait. The same round also
+   times the forward+backward right after a blocking submit and with no save in flight (the CPU the background
+   copy and write take from training on this 2-core machine, reported as info). ``async submit`` is
+   ``async_snapshot="blocking"``: the time ``AsyncCheckpointWriter.submit`` blocks the caller (wait for the
+   previous write, which has already finished; CPU snapshot of every tensor; thread start), steady state (one writer across all rounds, as in training:
    the snapshot is copied into the buffers of the previous one); ``async first`` is a writer's first save (a new
    writer per sample, so the snapshot buffers are allocated and page-faulted). ``.wait()`` is called outside the
    timed region. The snapshot's memory is ~100% of the checkpoint by design (it is a copy, so training can change
    the live tensors), held while the writer exists.
 
-``--quick`` (CI smoke, about 40 s): the same 384 MiB checkpoint, only the gated variants (torch.save, safe, async
-submit, async first), 5 rounds, one memory run; exits 1 if a gated figure misses its target by more than twice the
+4. ``durable floor``: the checkpoint's raw tensor bytes written to a new file and fsynced (file and directory), no
+   serialization at all: what this disk needs to make these bytes durable, which bounds any crash-safe save.
+
+``--quick`` (CI smoke, about 60 s): the same 384 MiB checkpoint, only the gated variants (torch.save, safe, async
+submit, async first, async overlap), 5 rounds, one memory run; exits 1 if a gated figure misses its target by more than twice the
 allowed overhead (sync ratio > 1.10, memory fraction > 0.20, async fraction > 0.20). The full mode always exits 0
 after writing its results. Both modes write checkpoint_save.json and checkpoint_save.md into --results-dir (default
 bench/results; the JSON says which mode).
@@ -88,9 +97,20 @@ TIMED = OrderedDict(
         ("safe overwrite", "SafeCheckpointIO().save_checkpoint over an existing checkpoint file"),
         ("async submit", "AsyncCheckpointWriter(SafeCheckpointIO()).submit, steady state: time the caller is blocked"),
         ("async first", "the same on a new AsyncCheckpointWriter (first save: snapshot buffers allocated)"),
+        (
+            "async overlap",
+            "training blocked per save with async_snapshot='overlap' (the default): submit() + the wait before the "
+            "optimizer step, with the next forward and backward of the model running beside the copy",
+        ),
+        (
+            "durable floor",
+            "the checkpoint's raw tensor bytes written to a new file with os.write, then fsync of file "
+            "and directory: no serialization, the disk's own cost of making these bytes durable",
+        ),
     ]
 )
-QUICK_TIMED = ["torch.save", "safe", "async submit", "async first"]
+QUICK_TIMED = ["torch.save", "safe", "async submit", "async first", "async overlap"]
+TRAIN_BATCH = 32  # rows per forward/backward of the "async overlap" training step
 MEMORY = ["torch.save", "lightning", "safe", "async submit"]
 QUICK_MEMORY = ["safe"]
 
@@ -141,6 +161,41 @@ def build_checkpoint(params_mib: int, optimizer: str) -> tuple[dict[str, Any], d
         "tensor_bytes": sum(t.nbytes for t in tensors(checkpoint)),
     }
     return checkpoint, info
+
+
+class TrainingStep:
+    """A live model + Adam of the benchmark's size, its Lightning-layout checkpoint, and one training step."""
+
+    def __init__(self, params_mib: int) -> None:
+        import torch
+        from torch import nn
+
+        torch.manual_seed(1)
+        layers = max(1, round(params_mib * MIB / (WIDTH * WIDTH * 4)))
+        self.model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-6)
+        self.batch = torch.randn(TRAIN_BATCH, WIDTH)
+        self.forward_backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self) -> None:
+        self.model(self.batch).square().mean().backward()
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {
+            "epoch": 0,
+            "global_step": 1,
+            "state_dict": OrderedDict((f"model.{k}", v) for k, v in self.model.state_dict().items()),
+            "optimizer_states": [self.optimizer.state_dict()],
+            "lr_schedulers": [],
+        }
+
+    def deferred(self) -> Callable[[Any], bool]:
+        """What SafeDDPStrategy defers during training: parameters and optimizer state (cf. deferrable_tensors)."""
+        addresses = {p.data_ptr() for p in self.model.parameters()}
+        addresses.update(t.data_ptr() for st in self.optimizer.state.values() for t in st.values() if t.dim())
+        return lambda t: t.data_ptr() in addresses
 
 
 def tensors(obj: Any) -> list[Any]:
@@ -230,6 +285,60 @@ def make_variant(name: str) -> Callable[[dict[str, Any], str], float]:
         return timed(SafeCheckpointIO().save_checkpoint)
     if name == "safe before":
         return timed(make_before_io().save_checkpoint)
+    if name == "durable floor":
+
+        def write_raw(checkpoint: dict[str, Any], path: str) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for t in tensors(checkpoint):
+                    view = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.numel() else b""
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_path(os.path.dirname(os.path.abspath(path)))
+
+        return timed(write_raw)
+    if name == "async overlap":
+        overlap_writer = AsyncCheckpointWriter(SafeCheckpointIO())
+        holder: list[TrainingStep] = []
+
+        def run_overlap(checkpoint: dict[str, Any], path: str) -> float:
+            if not holder:
+                holder.append(TrainingStep(run_overlap.params_mib))  # type: ignore[attr-defined]
+            step = holder[0]
+            overlap_writer.wait()
+            start = time.perf_counter()
+            error = overlap_writer.submit(step.checkpoint(), path, deferred=step.deferred())
+            submitted = time.perf_counter()
+            step.forward_backward()  # the next batch's forward and backward, beside the copy
+            backward_done = time.perf_counter()
+            overlap_writer.wait_for_snapshot()  # the strategy's gate in the optimizer closure
+            gate_done = time.perf_counter()
+            step.optimizer.step()
+            step.optimizer.zero_grad(set_to_none=True)
+            error = error or overlap_writer.wait()  # untimed: the background write
+            if error is not None:
+                raise RuntimeError(error)
+            blocking_submit = overlap_writer.submit(step.checkpoint(), path)  # async_snapshot="blocking"
+            blocking_start = time.perf_counter()
+            step.forward_backward()  # the same work beside a write whose snapshot was copied up front
+            run_overlap.beside_blocking = time.perf_counter() - blocking_start  # type: ignore[attr-defined]
+            step.optimizer.zero_grad(set_to_none=True)
+            error = blocking_submit or overlap_writer.wait()
+            if error is not None:
+                raise RuntimeError(error)
+            reference_start = time.perf_counter()
+            step.forward_backward()  # the same work with no save in flight
+            run_overlap.reference = time.perf_counter() - reference_start  # type: ignore[attr-defined]
+            step.optimizer.zero_grad(set_to_none=True)
+            run_overlap.forward_backward = backward_done - submitted  # type: ignore[attr-defined]
+            run_overlap.submit = submitted - start  # type: ignore[attr-defined]
+            return (submitted - start) + (gate_done - backward_done)
+
+        run_overlap.params_mib = 16  # type: ignore[attr-defined]  # set by run_timing; a small model warms up
+        return run_overlap
     if name in ("async submit", "async first"):
         writers = [AsyncCheckpointWriter(SafeCheckpointIO())]
 
@@ -455,6 +564,8 @@ def run_timing(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     names = list(QUICK_TIMED if args.quick else TIMED)
     variants = {name: make_variant(name) for name in names}
     warmers = {name: make_variant(name) for name in names}  # the tiny pass must not replace the async buffers
+    if "async overlap" in variants:
+        variants["async overlap"].params_mib = args.params_mib  # type: ignore[attr-defined]
     tiny = tiny_checkpoint()
 
     # Correctness before timing: the file verifies and loads back equal.
@@ -475,6 +586,12 @@ def run_timing(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}  # process CPU time (all threads) in the timed call
     async_total: list[float] = []
+    overlap_steps: dict[str, list[float]] = {
+        "submit": [],
+        "forward_backward": [],
+        "beside_blocking": [],
+        "reference": [],
+    }
     drop_log = []
     why = ""
     for rnd in range(args.warmup + args.repeats):
@@ -504,13 +621,17 @@ def run_timing(args: argparse.Namespace, directory: str) -> dict[str, Any]:
                 cpu[name].append(getattr(variants[name], "cpu", cpu_seconds))  # async: submit() only
                 if name == "async submit":
                     async_total.append(variants[name].total)  # type: ignore[attr-defined]
+                if name == "async overlap":
+                    for key, values in overlap_steps.items():
+                        values.append(getattr(variants[name], key))
         label = "warm-up" if warm else f"round {rnd - args.warmup + 1}/{args.repeats}"
         print(f"{label}: " + ", ".join(f"{n} {samples[n][-1]:.3f}s" for n in names if not warm), flush=True)
     os.remove(existing)
     # paired per-round ratios (same round, so the same background load)
-    pairs = [("safe", "torch.save"), ("async submit", "safe"), ("async first", "safe")]
+    pairs = [("safe", "torch.save"), ("async submit", "safe"), ("async first", "safe"), ("async overlap", "safe")]
     if not args.quick:
         pairs += [("safe", "torch.save+fsync"), ("safe", "lightning"), ("safe", "safe before")]
+        pairs += [("durable floor", "torch.save"), ("safe", "durable floor")]
         pairs += [("safe before", "torch.save"), ("safe overwrite", "torch.save overwrite")]
     paired = {f"{a}/{b}": [x / y for x, y in zip(samples[a], samples[b], strict=True)] for a, b in pairs}
     return {
@@ -520,6 +641,7 @@ def run_timing(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         "timing": {name: summarize(v) for name, v in samples.items()},
         "cpu": {name: summarize(v) for name, v in cpu.items()},
         "async_background_total": summarize(async_total),
+        "async_overlap_steps": {key: summarize(values) for key, values in overlap_steps.items()},
         "paired_ratios": {k: summarize(v) for k, v in paired.items()},
     }
 
@@ -590,9 +712,10 @@ def build_report(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             "fail_above": 0.20,
         },
         {
-            "figure": "async: time submit() blocks per save (steady state) / sync SafeCheckpointIO save time",
-            "value": ratio("async submit", "safe"),
-            "detail": f"{med['async submit']:.3f} s / {med['safe']:.3f} s; {spread('async submit/safe')}",
+            "figure": "async (async_snapshot='overlap', the default): time training is blocked per save / sync "
+            "SafeCheckpointIO save time",
+            "value": ratio("async overlap", "safe"),
+            "detail": f"{med['async overlap']:.4f} s / {med['safe']:.3f} s; {spread('async overlap/safe')}",
             "target": 0.10,
             "fail_above": 0.20,
         },
@@ -600,7 +723,26 @@ def build_report(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     for g in gates:
         g["pass"] = g["value"] <= g["target"]
         g["quick_gate_fail"] = g["value"] > g["fail_above"]
+    steps = result["async_overlap_steps"]
     info_rows = [
+        (
+            "async, async_snapshot='blocking': time submit() blocks per save (steady state) / sync save",
+            f"{ratio('async submit', 'safe'):.3f}",
+            f"{med['async submit']:.3f} s / {med['safe']:.3f} s; {spread('async submit/safe')}",
+        ),
+        (
+            "async overlap: forward+backward right after submit() (beside the copy and the background write) / "
+            "the same with no save in flight",
+            f"{steps['forward_backward']['median'] / steps['reference']['median']:.2f}",
+            f"{steps['forward_backward']['median']:.3f} s / {steps['reference']['median']:.3f} s (batch "
+            f"{TRAIN_BATCH}); submit() alone {steps['submit']['median'] * 1000:.1f} ms",
+        ),
+        (
+            "async blocking: forward+backward right after submit() (beside the background write) / the same with "
+            "no save in flight",
+            f"{steps['beside_blocking']['median'] / steps['reference']['median']:.2f}",
+            f"{steps['beside_blocking']['median']:.3f} s / {steps['reference']['median']:.3f} s",
+        ),
         (
             "async: first save of a writer (allocates the snapshot buffers) / sync save",
             f"{ratio('async first', 'safe'):.2f}",
@@ -619,6 +761,16 @@ def build_report(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "sync, SafeCheckpointIO now / BEFORE",
                 f"{ratio('safe', 'safe before'):.2f}",
                 f"{med['safe']:.3f} s / {med['safe before']:.3f} s; {spread('safe/safe before')}",
+            ),
+            (
+                "durable floor (raw bytes + fsync, no serialization) / torch.save",
+                f"{ratio('durable floor', 'torch.save'):.2f}",
+                f"{med['durable floor']:.3f} s / {med['torch.save']:.3f} s; {spread('durable floor/torch.save')}",
+            ),
+            (
+                "sync, SafeCheckpointIO / durable floor",
+                f"{ratio('safe', 'durable floor'):.2f}",
+                f"{med['safe']:.3f} s / {med['durable floor']:.3f} s; {spread('safe/durable floor')}",
             ),
             (
                 "sync, SafeCheckpointIO / (torch.save + fsync file and dir)",

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ddp_strategy.checkpoint import async_writer
 from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter, snapshot
 from ddp_strategy.checkpoint.format import verify
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
@@ -160,3 +161,69 @@ def test_buffer_reuse_across_saves_and_opt_out(tmp_path: Path):
             assert len(set(pointers)) == 1  # one buffer, written three times
             writer.release_buffers()
         assert writer._buffers is None and (reuse or pointers == [None, None, None])
+
+
+# ------------------------------------------------------------------ overlapped snapshots
+
+
+def hold_deferred_copies(monkeypatch) -> threading.Event:
+    """Make the writer thread wait for the returned event before it copies the deferred tensors."""
+    release = threading.Event()
+    copy = async_writer._copy_deferred
+
+    def held(pending):
+        assert release.wait(10)
+        return copy(pending)
+
+    monkeypatch.setattr(async_writer, "_copy_deferred", held)
+    return release
+
+
+def test_overlapped_snapshot_copies_deferred_tensors_in_background(tmp_path: Path, monkeypatch):
+    release = hold_deferred_copies(monkeypatch)
+    weights, running_mean = torch.zeros(1000), torch.zeros(3)
+    writer = AsyncCheckpointWriter(SafeCheckpointIO())
+    path = tmp_path / "a.ckpt"
+    checkpoint = {"state_dict": {"w": weights, "bn.running_mean": running_mean}, "global_step": 7}
+    assert writer.submit(checkpoint, str(path), deferred=lambda t: t is weights) is None
+    assert writer.snapshot_pending  # submit returned before the parameters were copied
+    running_mean.add_(1)  # a forward changes buffers: they were copied before submit returned
+    waiter = threading.Thread(target=writer.wait_for_snapshot)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "wait_for_snapshot returned before the deferred copy was made"
+    release.set()
+    waiter.join(10)
+    assert not writer.snapshot_pending and writer.overlapped_submissions == 1
+    weights.add_(5)  # the optimizer step, after the gate
+    assert writer.wait() is None
+    loaded = SafeCheckpointIO().load_checkpoint(path)
+    assert torch.equal(loaded["state_dict"]["w"], torch.zeros(1000))
+    assert torch.equal(loaded["state_dict"]["bn.running_mean"], torch.zeros(3))
+    assert writer.snapshot_wait_seconds > 0
+
+
+def test_in_place_change_before_the_overlapped_copy_fails_that_write_loudly(tmp_path: Path, monkeypatch):
+    release = hold_deferred_copies(monkeypatch)
+    writer = AsyncCheckpointWriter(SafeCheckpointIO())
+    old = tmp_path / "old.ckpt"
+    SafeCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(4)}}, old)
+    weights = torch.zeros(4)
+    writer.submit({"state_dict": {"w": weights}}, str(tmp_path / "new.ckpt"), deferred=lambda t: True)
+    writer.remove_checkpoint(str(old))  # requested by ModelCheckpoint while the write is in flight
+    weights.add_(1)  # changed in place before the gate: the copy would mix old and new values
+    release.set()
+    error = writer.wait()
+    assert error is not None and "async_snapshot='blocking'" in error and "1 parameter" in error
+    assert not (tmp_path / "new.ckpt").exists()
+    assert torch.equal(SafeCheckpointIO().load_checkpoint(old)["state_dict"]["w"], torch.ones(4))
+
+
+def test_non_contiguous_tensors_are_copied_before_submit_returns(tmp_path: Path):
+    writer = AsyncCheckpointWriter(SafeCheckpointIO())
+    strided = torch.zeros(4, 4).t()
+    seen = []
+    writer.submit({"a": strided}, str(tmp_path / "c.ckpt"), deferred=lambda t: seen.append(t) or True)
+    assert writer.wait() is None
+    assert seen == [] and writer.overlapped_submissions == 0
+    assert torch.equal(SafeCheckpointIO().load_checkpoint(tmp_path / "c.ckpt")["a"], strided)

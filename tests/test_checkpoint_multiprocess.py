@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return max((x[k].double() - y[k].double()).abs().max().item() for k in x)
 
 
-def interrupted_vs_uninterrupted(tmp_path: Path, *opts: str, mid_epoch: bool = False) -> float:
+def interrupted_vs_uninterrupted(
+    tmp_path: Path, *opts: str, mid_epoch: bool = False, runs_out: list[Any] | None = None
+) -> float:
     """Train 4 epochs straight; train part of it, stop, resume from last.ckpt to the end; return the max weight diff.
 
     At an epoch boundary the first part runs 2 epochs with a checkpoint per epoch; mid-epoch it stops at step 5 (in
@@ -39,6 +42,8 @@ def interrupted_vs_uninterrupted(tmp_path: Path, *opts: str, mid_epoch: bool = F
     ]  # fmt: skip
     for run in runs:
         assert run.returncode == 0 and not run.orphans, run.describe()
+    if runs_out is not None:
+        runs_out.extend(runs)
     assert "Restored all states from the checkpoint" in runs[2].output
     assert runs[0].result is not None and runs[2].result is not None
     assert runs[2].result["global_step"] == runs[0].result["global_step"]
@@ -67,6 +72,15 @@ def test_resume_mid_epoch_from_step_checkpoint_is_bit_exact(tmp_path, devices, w
 
 def test_resume_with_async_save_is_bit_exact(tmp_path):
     assert interrupted_vs_uninterrupted(tmp_path, "--async-save") == 0.0
+
+
+def test_overlapped_async_snapshot_of_step_checkpoints_resumes_bit_exact(tmp_path):
+    # step checkpoints saved in on_train_batch_end: parameters and Adam state are copied while the next forward and
+    # backward run (BatchNorm buffers, which that forward changes, are copied at once); resume must still be exact
+    runs: list[Any] = []
+    opts = ("--async-save", "--batchnorm", "--optimizer", "adam")
+    assert interrupted_vs_uninterrupted(tmp_path, *opts, mid_epoch=True, runs_out=runs) == 0.0
+    assert runs[1].result is not None and runs[1].result["overlapped_saves"] >= 1, runs[1].describe()
 
 
 def test_stock_lightning_resume_is_not_exact(tmp_path):
@@ -156,12 +170,23 @@ def test_resume_on_another_world_size_warns_and_reseeds(tmp_path):
     assert "reseeded deterministically" in run.output
 
 
+def resumed_and_checkpointed_past(log_path: Path | None, last: Path, step: int) -> bool:
+    """Whether the job logging to ``log_path`` restored a checkpoint (not checked when ``None``) and wrote a
+    ``last`` checkpoint beyond ``step``."""
+    if log_path is not None and "Restored all states from the checkpoint" not in log_path.read_text(errors="replace"):
+        return False
+    record = verify(str(last)) if last.exists() else None
+    return record is not None and record.global_step is not None and record.global_step > step
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 10 trials of launch, kill and resume: about 2.5 min on a quiet 2-core machine
+@pytest.mark.timeout(900)  # 10 chained trials of launch, resume and kill, plus a final resume: about 2 min quiet
 def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tmp_path):
     """10 trials: SIGKILL the whole job while it checkpoints every step (half at a random moment, half while a write
     is in progress), with $TMPDIR on another filesystem (/dev/shm) than the checkpoint directory. Every .ckpt left
-    must verify and load, and fit(ckpt_path="last") must resume."""
+    must verify and load, and fit(ckpt_path="last") must resume: the trials are chained, each job after the first
+    resumes from what the previous kill left (and must report the restore and continue from that step), and a
+    final run resumes from the last kill to completion."""
     import os
     import random
     import signal
@@ -178,18 +203,25 @@ def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tm
     env.pop("LOCAL_RANK", None)
     chooser = random.Random(20261122)
     size = ["--hidden", "500000", "--keep-latest-only"]  # 5.5M parameters: 22 MB per checkpoint, written every step
+    ckpt = tmp_path / "ckpt"
+    last = ckpt / "last.ckpt"
     kills_during_write = 0
+    step = 0  # global step of last.ckpt after the previous kill
     for trial in range(10):
-        ckpt = tmp_path / f"trial{trial}"
+        log_path = tmp_path / f"trial{trial}.log"
         cmd = [sys.executable, str(SCRIPTS / "scenario.py"), "fit_ok", "--out", str(tmp_path / "ignored.json")]
         cmd += ["--max-epochs", "1000", "--every-n-train-steps", "1", "--ckpt-dir", str(ckpt), *size]
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        if trial:
+            cmd += ["--resume", "last"]  # fit(ckpt_path="last") from what the previous kill left
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=log, stderr=log)
         try:
-            deadline = time.monotonic() + 90
-            while not (ckpt / "last.ckpt").exists():
-                assert time.monotonic() < deadline and proc.poll() is None, "training never checkpointed"
+            deadline = time.monotonic() + 120
+            while not resumed_and_checkpointed_past(log_path if trial else None, last, step):
+                assert time.monotonic() < deadline and proc.poll() is None, (
+                    f"trial {trial}: the job did not resume and checkpoint past step {step}:\n"
+                    + log_path.read_text(errors="replace")[-3000:]
+                )
                 time.sleep(0.05)
             if trial % 2:  # a random moment
                 time.sleep(chooser.uniform(0.0, 1.5))
@@ -211,13 +243,15 @@ def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tm
             record = verify(str(path))
             assert record is not None, path
             assert torch.load(path, weights_only=True)["global_step"] == record.global_step
-        step = verify(str(ckpt / "last.ckpt")).global_step  # type: ignore[union-attr]
-        resumed = run_scenario(
-            "fit_ok", tmp_path, "--max-epochs", "1000", "--max-steps", str(step + 1), "--ckpt-dir", str(ckpt),
-            "--resume", "last", *size,
-        )  # fmt: skip
-        assert resumed.returncode == 0 and not resumed.orphans, resumed.describe()
-        assert resumed.result is not None and resumed.result["global_step"] == step + 1
-        assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".")], "crash debris was not cleaned up"
+        new_step = verify(str(last)).global_step  # type: ignore[union-attr]
+        assert new_step > step, f"trial {trial}: last.ckpt went from step {step} to {new_step}"
+        step = new_step
+    resumed = run_scenario(
+        "fit_ok", tmp_path, "--max-epochs", "1000", "--max-steps", str(step + 1), "--ckpt-dir", str(ckpt),
+        "--resume", "last", *size,
+    )  # fmt: skip
+    assert resumed.returncode == 0 and not resumed.orphans, resumed.describe()
+    assert resumed.result is not None and resumed.result["global_step"] == step + 1
+    assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".")], "crash debris was not cleaned up"
     print(f"{kills_during_write} of 10 kills interrupted a checkpoint write (temporary file left behind)")
     assert kills_during_write >= 3, "the trials did not exercise kills during a write"

@@ -9,7 +9,7 @@ from ddp_strategy.fingerprint import fingerprint_module, fingerprint_tensors, na
 
 
 def host_digest(t: torch.Tensor) -> tuple[int, int] | None:
-    """The path used for CPU tensors (BLAKE2b of the bytes)."""
+    """The path used for CPU tensors (CRC-32 of the bytes)."""
     return fingerprint_tensors([("t", "parameter", t)])[0].digest
 
 

@@ -5,8 +5,11 @@ and signed zeros) always have equal fingerprints; any realistic difference (one 
 elements) changes them. Only the two integers per tensor are exchanged, so comparing a model across ranks costs
 one small gather whatever the model's size.
 
-* CPU tensors: a BLAKE2b digest of the tensor's bytes (zero-copy, about 3x faster than integer arithmetic in
-  torch on the CPU, and collision-free in practice).
+* CPU tensors: the CRC-32 of the tensor's bytes (zlib, zero-copy) and the byte count. A CRC-32 detects every
+  change confined to 32 consecutive bits and any other change with probability ``1 - 2**-32``; it runs at several
+  GB/s (0.06 s for 384 MiB on the 2-core benchmark machine, 5x faster than the BLAKE2b used before and 15x faster
+  than integer arithmetic in torch), which matters because ``WeightSyncCheck`` fingerprints the whole model
+  periodically during training. It is not a defence against deliberate collisions; nothing here needs one.
 * Accelerator tensors: a plain sum and a position-weighted sum of the values viewed as integers, modulo
   ``2**31 - 1``, computed on the device so that nothing but two integers crosses to the host.
 """
@@ -14,7 +17,7 @@ one small gather whatever the model's size.
 from __future__ import annotations
 
 import functools
-import hashlib
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -90,12 +93,12 @@ def _as_integers(tensor: Tensor) -> Tensor:
 
 
 def _host_digest(tensor: Tensor) -> tuple[int, int]:
-    """BLAKE2b of a CPU tensor's bytes, as two 32-bit integers."""
+    """``(CRC-32 of a CPU tensor's bytes, byte count)``; ``zlib.crc32`` releases the GIL while it runs."""
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
-    digest = hashlib.blake2b(flat.view(torch.uint8).numpy().data if flat.numel() else b"", digest_size=8).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+    data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
+    return zlib.crc32(data), len(data)
 
 
 def _digest(tensor: Tensor) -> Tensor:

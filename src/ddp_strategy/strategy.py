@@ -28,6 +28,7 @@ from ddp_strategy.checkpoint import protocol
 from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.checkpoint.keys import PACKAGE_KEY
+from ddp_strategy.checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from ddp_strategy.control import ControlPlane, to_timedelta
 from ddp_strategy.errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError
 from ddp_strategy.evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
@@ -49,6 +50,7 @@ __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 log = logging.getLogger(__name__)
 
 _SAVE_ON = frozenset({"global_zero", "node_zero"})
+_ASYNC_SNAPSHOT = frozenset({"overlap", "blocking"})
 _SHARDING_CHECK = frozenset({"raise", "warn"})
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
@@ -87,6 +89,11 @@ class SafeDDPStrategy(DDPStrategy):
         async_save: write checkpoints in a background thread on rank 0 after a snapshot to CPU memory; training
             goes on during the write. At most one write is in flight; its outcome is agreed by all ranks at the
             next save or at teardown (which waits for it), and old checkpoints are removed only after it succeeded.
+        async_snapshot: with ``async_save``, how a checkpoint saved during training is copied to CPU memory.
+            ``"overlap"`` (default): parameters and optimizer state are copied while the next batch's forward and
+            backward run, and the optimizer waits for the copy before it changes them (see
+            :mod:`ddp_strategy.checkpoint.overlap`); an in-place change by other code in between fails that write
+            loudly. ``"blocking"``: everything is copied before the save returns.
         save_on: ``"global_zero"`` (default): global rank 0 writes the one checkpoint; ranks that cannot see it at
             load time (a disk other nodes do not share) receive it from rank 0. ``"node_zero"``: local rank 0 of
             every node writes its own copy, for nodes without a shared filesystem.
@@ -114,6 +121,7 @@ class SafeDDPStrategy(DDPStrategy):
         handshake: bool = True,
         heartbeat_interval: float = 1.0,
         async_save: bool = False,
+        async_snapshot: str = "overlap",
         save_on: str = "global_zero",
         exact_evaluation: bool = True,
         predictions_on: str = "global_zero",
@@ -135,10 +143,15 @@ class SafeDDPStrategy(DDPStrategy):
         self._failed = False
         self._resumed: dict[str, Any] | None = None  # RNG section of the checkpoint being resumed
         self.async_save = async_save
+        if async_snapshot not in _ASYNC_SNAPSHOT:
+            raise ValueError(f"`async_snapshot` must be one of {sorted(_ASYNC_SNAPSHOT)}, got {async_snapshot!r}.")
+        self.async_snapshot = async_snapshot
         if save_on not in _SAVE_ON:
             raise ValueError(f"`save_on` must be one of {sorted(_SAVE_ON)}, got {save_on!r}.")
         self.save_on = save_on
         self._writer: AsyncCheckpointWriter | None = None  # rank 0's background writer when async_save
+        #: Asynchronous saves on this rank whose snapshot overlapped training (``async_snapshot="overlap"``).
+        self.overlapped_saves = 0
         self.exact_evaluation = exact_evaluation
         self._exact = ExactEvaluation(self._control_plane_or_none, predictions_on=predictions_on)
         if sharding_check is not None and sharding_check not in _SHARDING_CHECK:
@@ -245,6 +258,8 @@ class SafeDDPStrategy(DDPStrategy):
             self.exact_evaluation = False
         if self.sharding_check is not None and self.world_size > 1:
             ensure_sharding_check(trainer, "raise" if self.sharding_check == "raise" else "warn")
+        if self.async_save and self.async_snapshot == "overlap":
+            install_snapshot_gate(trainer, self._wait_for_snapshot)
 
     @override
     def on_train_start(self) -> None:
@@ -392,7 +407,9 @@ class SafeDDPStrategy(DDPStrategy):
                 return
             if self._writer is None:
                 self._writer = AsyncCheckpointWriter(self.checkpoint_io)
-            previous = self._writer.submit(final, str(filepath), storage_options)
+            trainer = self._trainer_or_none()
+            deferred = deferrable_tensors(trainer) if trainer is not None and self.async_snapshot == "overlap" else None
+            previous = self._writer.submit(final, str(filepath), storage_options, deferred=deferred)
             if previous is not None:
                 raise CheckpointWriteError(
                     f"An earlier asynchronous checkpoint write failed: {previous}", path=str(filepath)
@@ -421,11 +438,34 @@ class SafeDDPStrategy(DDPStrategy):
         else:
             self.checkpoint_io.remove_checkpoint(filepath)
 
+    def _wait_for_snapshot(self) -> None:
+        """Block until the overlapped snapshot of the last asynchronous save is copied (weights may change after)."""
+        if self._writer is not None:
+            self._writer.wait_for_snapshot()
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step; with an overlapped snapshot pending, the closure waits for it after backward."""
+        writer = self._writer
+        if writer is None or not writer.snapshot_pending:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_wait_for_snapshot() -> Any:
+            result = closure()  # forward and backward ran beside the copy; the update below must not
+            writer.wait_for_snapshot()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_wait_for_snapshot, model, **kwargs)
+
     def _finish_async_writes(self) -> None:
         """Wait for the last asynchronous write of every writer and make every rank agree on its outcome."""
         if not self.async_save:
             return
         error = self._writer.wait() if self._writer is not None else None
+        if self._writer is not None:
+            self.overlapped_saves += self._writer.overlapped_submissions
         self._writer = None
         if self._control is None or self._failed:
             if error is not None:

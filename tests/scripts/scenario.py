@@ -34,6 +34,7 @@ class TinyModel(pl.LightningModule):
     def __init__(self, scenario: str = "fit_ok", hidden: int = 16, batchnorm: bool = False) -> None:
         super().__init__()
         self.scenario = scenario
+        self.optimizer_name = "sgd"
         norm: list[nn.Module] = [nn.BatchNorm1d(hidden)] if batchnorm else []
         self.net = nn.Sequential(nn.Linear(8, hidden), *norm, nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 2))
         self.register_buffer("counter", torch.zeros(1))
@@ -79,6 +80,8 @@ class TinyModel(pl.LightningModule):
             resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":  # has per-parameter state (moments) that checkpoints must carry
+            return torch.optim.Adam(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
@@ -204,6 +207,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    parser.add_argument("--async-snapshot", default="overlap", choices=["overlap", "blocking"])
     parser.add_argument("--save-on", default="global_zero")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=16, help="hidden width (checkpoint size)")
@@ -248,6 +253,7 @@ def main() -> None:
                 barrier_timeout=args.barrier_timeout,
                 heartbeat_interval=0.2,
                 async_save=args.async_save,
+                async_snapshot=args.async_snapshot,
                 save_on=args.save_on,
             )
         if args.strategy == "safe_ddp_string":
@@ -255,6 +261,7 @@ def main() -> None:
         return args.strategy
 
     model = TinyModel(args.scenario, hidden=args.hidden, batchnorm=args.batchnorm)
+    model.optimizer_name = args.optimizer
     train, val = loaders(num_workers=args.num_workers, persistent=args.persistent_workers)
     model, train = sharding_data(args, model, train)
     runs = 2 if args.scenario == "two_fits" else 1
@@ -294,6 +301,7 @@ def main() -> None:
             "pid": os.getpid(),
             "time": time.time(),
             "sharding_check": sharding_result(trainer),
+            "overlapped_saves": getattr(trainer.strategy, "overlapped_saves", None),
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

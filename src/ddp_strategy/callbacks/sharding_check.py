@@ -1,6 +1,6 @@
 """``ShardingCheck``: verify at the first training batches that the ranks train on different data.
 
-Every rank fingerprints its first ``batches`` training batches (a BLAKE2b digest of every tensor's bytes, computed
+Every rank fingerprints its first ``batches`` training batches (a CRC-32 of every tensor's bytes, computed
 on the batch's device; see :mod:`ddp_strategy.fingerprint`) and, where it can be known without side effects, the
 dataset indices of the samples in them. One small all-gather then compares the ranks, together with a description
 of each rank's training sampler. After that the callback does nothing (zero per-step cost).

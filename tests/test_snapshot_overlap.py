@@ -122,3 +122,17 @@ def test_optimizer_update_waits_for_the_snapshot_after_forward_and_backward(monk
 def test_async_snapshot_option_is_validated():
     with pytest.raises(ValueError, match=r"async_snapshot.*'later'"):
         SafeDDPStrategy(async_save=True, async_snapshot="later")
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "overlap"),
+    [
+        ("auto", "cpu", False),  # the copy would compete with training for the same cores
+        ("auto", "cuda", True),  # a device-to-host copy beside the device's compute
+        ("overlap", "cpu", True),
+        ("blocking", "cuda", False),
+    ],
+)
+def test_auto_overlaps_only_for_models_on_an_accelerator(monkeypatch, mode, device, overlap):
+    monkeypatch.setattr(SafeDDPStrategy, "root_device", property(lambda self: torch.device(device)))
+    assert SafeDDPStrategy(async_save=True, async_snapshot=mode)._overlap_snapshots is overlap

@@ -52,6 +52,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/suite.py
 	$(PY) bench/handshake.py
+	$(PY) bench/callback_cost.py
 
 bench-extra: $(STAMP)
 	$(PY) bench/checkpoint_save.py

@@ -458,9 +458,14 @@ class SafeDDPStrategy(DDPStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
     ) -> Any:
-        """Lightning's optimizer step; with an overlapped snapshot pending, the closure waits for it after backward."""
+        """Lightning's optimizer step; with an asynchronous writer, the closure waits for a pending snapshot.
+
+        The wait is after the closure (forward and backward, which run beside the copy) and before the update. It
+        is installed whenever a writer exists, also when nothing is pending yet: a save made inside
+        ``training_step`` starts its copy during the closure.
+        """
         writer = self._writer
-        if writer is None or not writer.snapshot_pending:
+        if writer is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_wait_for_snapshot() -> Any:

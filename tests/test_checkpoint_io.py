@@ -640,6 +640,84 @@ def test_large_writes_that_are_not_zip_records_are_read_back() -> None:
     assert writer.bytes_written == len(buffer.getvalue())
 
 
+def test_parallel_crc32_of_large_writes_matches_every_byte() -> None:
+    import io as stdio
+
+    from ddp_strategy.checkpoint.format import HashingWriter
+
+    buffer = stdio.BytesIO()
+    written: list[int] = []
+    writer = HashingWriter(buffer, parallel=True, piece_bytes=1 << 20, on_written=written.append)
+    rng = random.Random(4)
+    for size in (10, 3 << 20, 7, (2 << 20) + 3, 5, 1 << 20):  # large writes go to the helper thread
+        data = bytearray(rng.randbytes(size))
+        writer.write(data)
+        data[:] = bytes(size)  # the caller reuses its buffer once write() returns: the CRC was taken before
+    assert writer.finish() == f"crc32:{zlib.crc32(buffer.getvalue()):08x}"
+    assert writer._helper is None  # finish() stopped the helper thread
+    assert written[-1] == writer.bytes_written  # early write-back saw the last (large) write's progress
+
+
+def test_save_switches_torch_zip_crcs_off_only_while_it_writes(tmp_path: Path, checkpoint_io: SafeCheckpointIO):
+    seen: list[bool] = []
+    real_save = torch.save
+
+    def spying_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(torch.serialization.get_crc32_options())
+        if "fail" in obj:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    assert torch.serialization.get_crc32_options() is True
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "save", spying_save)
+        checkpoint_io.save_checkpoint(big_checkpoint(), tmp_path / "a.ckpt")
+        with pytest.raises(CheckpointWriteError, match="No space left"):  # a failed save restores the setting too
+            checkpoint_io.save_checkpoint({"fail": 1}, tmp_path / "b.ckpt")
+    assert seen == [False, False]
+    assert torch.serialization.get_crc32_options() is True
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "a.ckpt") as archive:  # records without CRCs; the footer covers the payload
+        assert {info.CRC for info in archive.infolist()} == {0}
+    record = verify(str(tmp_path / "a.ckpt"))
+    assert record is not None and record.checksum.startswith("crc32:")
+
+
+def test_zip_crcs_are_switched_off_only_in_the_saving_thread(tmp_path: Path):
+    import threading
+
+    release = threading.Event()
+    inside = threading.Barrier(3)
+    real_save = torch.save
+    seen: list[bool] = []
+
+    def slow_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(torch.serialization.get_crc32_options())
+        inside.wait(10)  # both writes are inside their torch.save section at once
+        assert release.wait(10)
+        real_save(obj, f, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "save", slow_save)
+        threads = [
+            threading.Thread(
+                target=SafeCheckpointIO().save_checkpoint, args=({"x": torch.ones(3)}, tmp_path / f"{i}.ckpt")
+            )
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        inside.wait(10)
+        assert torch.serialization.get_crc32_options() is True  # a torch.save here would still write zip CRCs
+        release.set()
+        for thread in threads:
+            thread.join(10)
+    assert seen == [False, False]
+    assert torch.serialization.get_crc32_options() is True
+    assert all(verify(str(tmp_path / f"{i}.ckpt")) is not None for i in range(2))
+
+
 def test_crc32_combine_matches_zlib() -> None:
     from ddp_strategy.checkpoint.format import crc32_combine
 

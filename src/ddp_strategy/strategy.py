@@ -50,7 +50,7 @@ __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 log = logging.getLogger(__name__)
 
 _SAVE_ON = frozenset({"global_zero", "node_zero"})
-_ASYNC_SNAPSHOT = frozenset({"auto", "overlap", "blocking"})
+_ASYNC_SNAPSHOT = frozenset({"overlap", "blocking"})
 _SHARDING_CHECK = frozenset({"raise", "warn"})
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
@@ -90,14 +90,10 @@ class SafeDDPStrategy(DDPStrategy):
             goes on during the write. At most one write is in flight; its outcome is agreed by all ranks at the
             next save or at teardown (which waits for it), and old checkpoints are removed only after it succeeded.
         async_snapshot: with ``async_save``, how a checkpoint saved during training is copied to CPU memory.
-            ``"overlap"``: parameters and optimizer state are copied while the next batch's forward and backward
-            run, and the optimizer waits for the copy before it changes them (see
+            ``"overlap"`` (default): parameters and optimizer state are copied while the next batch's forward and
+            backward run, and the optimizer waits for the copy before it changes them (see
             :mod:`ddp_strategy.checkpoint.overlap`); an in-place change by other code in between fails that write
-            loudly. ``"blocking"``: everything is copied before the save returns. ``"auto"`` (default):
-            ``"overlap"`` when the model is on an accelerator (the copy is a device-to-host transfer beside the
-            device's compute), ``"blocking"`` on the CPU, where the copy would compete with training for the same
-            cores and memory bandwidth (measured in ``bench/checkpoint_save.py``: it costs more training time
-            than it saves).
+            loudly. ``"blocking"``: everything is copied before the save returns.
         save_on: ``"global_zero"`` (default): global rank 0 writes the one checkpoint; ranks that cannot see it at
             load time (a disk other nodes do not share) receive it from rank 0. ``"node_zero"``: local rank 0 of
             every node writes its own copy, for nodes without a shared filesystem.
@@ -125,7 +121,7 @@ class SafeDDPStrategy(DDPStrategy):
         handshake: bool = True,
         heartbeat_interval: float = 1.0,
         async_save: bool = False,
-        async_snapshot: str = "auto",
+        async_snapshot: str = "overlap",
         save_on: str = "global_zero",
         exact_evaluation: bool = True,
         predictions_on: str = "global_zero",
@@ -445,8 +441,6 @@ class SafeDDPStrategy(DDPStrategy):
     @property
     def _overlap_snapshots(self) -> bool:
         """Whether asynchronous saves during training copy parameters and optimizer state beside the next step."""
-        if self.async_snapshot == "auto":
-            return self.root_device.type != "cpu"
         return self.async_snapshot == "overlap"
 
     def _wait_for_snapshot(self) -> None:

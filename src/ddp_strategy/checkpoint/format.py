@@ -5,7 +5,9 @@ Layout of a file written by :class:`~ddp_strategy.checkpoint.io.SafeCheckpointIO
     [ torch.save zip payload ][ record: JSON ][ record length: u64 LE ][ record SHA-256, first 8 bytes ][ MAGIC ]
 
 ``torch.load`` (and so ``LightningModule.load_from_checkpoint``) reads the file unchanged: zip readers find the
-archive's directory from its own end-of-archive record and ignore the few bytes after it. The record holds the
+archive's directory from its own end-of-archive record and ignore the few bytes after it (the zip records carry no
+CRC of their own, as with ``torch.serialization.set_crc32_options(False)``: ``torch.load`` never checks them, and
+the footer's CRC-32 covers the whole payload; a generic ``unzip -t`` reports CRC errors). The record holds the
 format version, the payload's byte size and checksum, the global step, epoch and world size; the trailer carries a
 checksum of the record itself, so neither part can change unnoticed. A truncated file
 loses its footer (or its payload no longer matches the checksum) and fails :func:`verify` with
@@ -17,14 +19,13 @@ Format versions (both are read):
 * 2 (written by default): the payload checksum is ``"crc32:<8 hex digits>"``, the CRC-32 (zlib / zip polynomial) of
   the whole payload. It detects accidental damage (truncation, bit rot, a partial copy) like SHA-256 does, at a
   fraction of the cost; neither is a defence against deliberate tampering, since anyone who can alter the file can
-  rewrite an unsigned footer. The writer does not even recompute it for large tensors: ``torch.save`` already
-  stores the CRC-32 of every record in the zip archive, and the CRC-32 of the whole payload is combined from those
-  and from the CRC-32 of the bytes in between (:class:`HashingWriter`). :func:`verify` recomputes it from the file's
-  bytes, so a wrong combination could never pass unnoticed.
+  rewrite an unsigned footer. :class:`HashingWriter` computes it while the payload streams out, large tensor
+  writes on a helper thread beside their file write, and :func:`verify` recomputes it from the file's bytes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import io
@@ -215,13 +216,16 @@ class HashingWriter:
 
     ``torch.save`` streams into it, so the checksum costs no second read of the file and nothing is buffered.
 
-    With the default CRC-32 (format 2), writes of at least 1 MiB (tensor data; ``torch.save`` passes each
-    storage in one ``write``) are not hashed here: ``torch.save`` has already computed the CRC-32 of every record
-    for its zip directory. :meth:`finish` reads that directory back (a few bytes per record, from the page cache),
-    takes each large write's CRC-32 from the record whose data it is, and combines them with the CRC-32 of the
-    bytes in between. A large write that is not exactly one record's data, or whose record has no CRC (zip CRCs
-    switched off with ``torch.serialization.set_crc32_options(False)``), is read back and hashed instead. This
-    needs ``file`` to be readable (``"w+b"``); otherwise every byte is hashed as it passes.
+    With the default CRC-32 (format 2), writes of at least 1 MiB (tensor data; ``torch.save`` passes each storage
+    in one ``write``) are checksummed by a helper thread *while* the same bytes are written to ``file``
+    (``zlib.crc32`` and the file write both release the GIL), so on a machine with a spare core the checksum adds
+    almost no time; ``SafeCheckpointIO`` switches ``torch.save``'s own zip CRCs off meanwhile, which would compute
+    the same kind of checksum a second time. The CRC-32 of the whole payload is combined from the pieces'.
+
+    Alternatively (``parallel=False``, ``defer_large`` true), large writes are not hashed here: their CRC-32 is
+    taken from the zip directory ``torch.save`` wrote (:meth:`finish` reads it back, a few bytes per record) and
+    combined with the CRC-32 of the bytes in between. A large write that is not exactly one record's data, or
+    whose record has no CRC, is read back and hashed instead. This needs ``file`` to be readable (``"w+b"``).
 
     Args:
         file: the binary stream to write to, positioned at the start of the payload.
@@ -230,8 +234,10 @@ class HashingWriter:
             every piece of one, see ``piece_bytes``); :class:`~ddp_strategy.checkpoint.atomic.EarlyWriteback`
             uses it to start the disk write early.
         piece_bytes: pass large writes on to ``file`` in pieces of at most this many bytes (0: unsplit).
-        defer_large: take large writes' CRC-32 from the zip directory (``None``: when ``file`` can be read back
-            and this torch's zip CRCs were checked to be zlib's; ``False``: hash every byte as it passes).
+        defer_large: with ``parallel=False``, take large writes' CRC-32 from the zip directory (``None``: when
+            ``file`` can be read back and this torch's zip CRCs were checked to be zlib's; ``False``: hash every
+            byte as it passes).
+        parallel: checksum large writes (CRC-32 only) in a helper thread beside their file write.
     """
 
     def __init__(
@@ -242,13 +248,16 @@ class HashingWriter:
         on_written: Callable[[int], None] | None = None,
         piece_bytes: int = 0,
         defer_large: bool | None = None,
+        parallel: bool = False,
     ) -> None:
         if algorithm not in _FORMAT_OF_ALGORITHM:
             raise ValueError(f"unsupported checksum algorithm {algorithm!r}; use one of {sorted(_FORMAT_OF_ALGORITHM)}")
         self._file = file
         self.algorithm = algorithm
         self._hash = hashlib.new(algorithm) if algorithm != "crc32" else None
-        self._pread = _pread_of(file) if algorithm == "crc32" else None
+        self._parallel = parallel and algorithm == "crc32"
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pread = _pread_of(file) if algorithm == "crc32" and not self._parallel else None
         self._defer = self._pread is not None and (defer_large if defer_large is not None else _zip_crcs_usable())
         self._on_written = on_written
         self._piece_bytes = piece_bytes
@@ -271,8 +280,13 @@ class HashingWriter:
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         size = view.nbytes
         large = size >= DEFER_MIN_BYTES
+        pending: concurrent.futures.Future[int] | None = None
         if self._hash is not None:
             self._hash.update(view)
+        elif large and self._parallel:
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddp_strategy-crc32")
+            pending = self._helper.submit(zlib.crc32, view)  # beside the write below; done before we return
         elif large and self._defer:
             self._end_run()
             self._pieces.append([None, self.bytes_written, size])
@@ -292,8 +306,20 @@ class HashingWriter:
         except OSError as err:  # torch's C++ zip writer replaces this with a vague message: keep the original
             self.error = err
             raise
+        finally:
+            crc = pending.result() if pending is not None else None  # the caller may reuse ``data`` after we return
+        if crc is not None:
+            self._end_run()
+            self._pieces.append([crc, self.bytes_written, size])
+            self._run_start = self.bytes_written + size
         self.bytes_written += size
         return size
+
+    def close(self) -> None:
+        """Stop the helper thread (if one was started); :meth:`finish` does this too."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
 
     def _end_run(self) -> None:
         if self.bytes_written > self._run_start:
@@ -311,6 +337,7 @@ class HashingWriter:
 
     def finish(self) -> str:
         """The checksum of everything written (call once the payload is complete), ``"<algorithm>:<hex>"``."""
+        self.close()
         if self._checksum is None:
             if self._hash is not None:
                 self._checksum = f"{self.algorithm}:{self._hash.hexdigest()}"

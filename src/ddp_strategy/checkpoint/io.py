@@ -1,13 +1,13 @@
 """``SafeCheckpointIO``: crash-safe, verified checkpoint files (a Lightning ``CheckpointIO``).
 
 Saving streams ``torch.save`` into a temporary file *in the destination directory* (so the final rename never
-crosses a filesystem), checksumming on the way (CRC-32, mostly taken from the zip records ``torch.save`` writes
-anyway; see :class:`~ddp_strategy.checkpoint.format.HashingWriter`) and starting the disk write of each part as
-soon as it is written (:class:`~ddp_strategy.checkpoint.atomic.EarlyWriteback`), appends the integrity record,
-``fsync``s the file, ``os.replace``s it over the destination and ``fsync``s the directory. Until that rename, the
-previous file at the destination is untouched; after it, the new file is complete and durable. Nothing is buffered
-in RAM beyond ``torch.save``'s own chunks. Remote fsspec paths are written to a local temporary file, uploaded,
-and verified by size and footer.
+crosses a filesystem), checksumming on the way (CRC-32, computed by a helper thread beside each large write while
+``torch.save``'s own zip CRCs are off; see :class:`~ddp_strategy.checkpoint.format.HashingWriter`) and starting the
+disk write of each part as soon as it is written (:class:`~ddp_strategy.checkpoint.atomic.EarlyWriteback`), appends
+the integrity record, ``fsync``s the file, ``os.replace``s it over the destination and ``fsync``s the directory.
+Until that rename, the previous file at the destination is untouched; after it, the new file is complete and
+durable. Nothing is buffered in RAM beyond ``torch.save``'s own chunks. Remote fsspec paths are written to a local
+temporary file, uploaded, and verified by size and footer.
 
 Loading verifies the integrity record first (:func:`~ddp_strategy.checkpoint.format.verify`), then calls
 ``torch.load`` with ``weights_only=True`` unless the caller explicitly passes ``weights_only=False``.
@@ -15,11 +15,12 @@ Loading verifies the integrity record first (:func:`~ddp_strategy.checkpoint.for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +45,26 @@ from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, 
 __all__ = ["SafeCheckpointIO"]
 
 log = logging.getLogger(__name__)
+
+
+_CAN_SKIP_ZIP_CRCS = hasattr(torch.serialization, "set_crc32_options")  # torch >= 2.6
+
+
+@contextlib.contextmanager
+def _zip_crcs_off() -> Iterator[None]:
+    """Make ``torch.save`` skip the CRC-32 of each zip record while a checkpoint is written.
+
+    The integrity record's CRC-32 of the whole payload is computed beside the write instead
+    (:class:`~ddp_strategy.checkpoint.format.HashingWriter` with ``parallel=True``), and ``torch.load`` never checks
+    zip CRCs. torch's serialization settings are per thread (``torch.utils.serialization.config``), so a
+    ``torch.save`` in another thread meanwhile is not affected; the calling thread's setting is restored after.
+    """
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 def _is_local(path: str) -> bool:
@@ -120,20 +141,25 @@ class SafeCheckpointIO(CheckpointIO):
 
     def _write_stream(self, checkpoint: dict[str, Any], file: Any, writeback: bool = False) -> IntegrityRecord:
         early = EarlyWriteback(file.fileno(), file.tell()) if writeback else None
+        algorithm = getattr(self, "checksum", CHECKSUM_ALGORITHM)  # subclasses may skip __init__
+        parallel = algorithm == "crc32" and _CAN_SKIP_ZIP_CRCS
         writer = HashingWriter(
             file,
-            algorithm=getattr(self, "checksum", CHECKSUM_ALGORITHM),  # subclasses may skip __init__
+            algorithm=algorithm,
             on_written=early.advance if early is not None else None,
             piece_bytes=WRITEBACK_PIECE_BYTES,
+            parallel=parallel,
         )
         try:
-            torch.save(checkpoint, writer)  # type: ignore[arg-type]  # any object with write() works
+            with _zip_crcs_off() if parallel else contextlib.nullcontext():
+                torch.save(checkpoint, writer)  # type: ignore[arg-type]  # any object with write() works
             record = self._record(checkpoint, writer)
         except RuntimeError as err:
             if writer.error is not None:  # report the OS's reason (e.g. "No space left on device")
                 raise writer.error from err
             raise
         finally:
+            writer.close()
             if early is not None:
                 early.close()  # before the file (and its descriptor) is closed
         write_footer(file, record)

@@ -1,13 +1,13 @@
 """Overlapped snapshots of asynchronous saves: which tensors may be copied late, and the gates that wait for them.
 
-With ``SafeDDPStrategy(async_save=True, async_snapshot="overlap")`` (or ``"auto"``, the default, for a model on an
-accelerator), a checkpoint saved during training is copied to CPU memory in two parts. Buffers, containers and
-everything that is not a parameter or an optimizer-state tensor are copied before the save returns. Parameters and
-optimizer state, which only the optimizer step changes, are copied by the writer thread while training goes on with
-the next batch's forward and backward; the strategy waits for that copy right before the optimizer updates them (in
-the optimizer closure, after backward), and :class:`SnapshotGate`, the first callback of the Trainer, waits for it
-before any other callback's epoch-end, validation or end-of-training hook, where callbacks such as Lightning's
-``WeightAveraging`` copy weights into the model.
+With ``SafeDDPStrategy(async_save=True)`` (``async_snapshot="overlap"``, the default), a checkpoint saved during
+training is copied to CPU memory in two parts. Buffers, containers and everything that is not a parameter or an
+optimizer-state tensor are copied before the save returns. Parameters and optimizer state, which only the optimizer
+step changes, are copied by the writer thread while training goes on with the next batch's forward and backward; the
+strategy waits for that copy right before the optimizer updates them (in the optimizer closure, after backward), and
+:class:`SnapshotGate`, the first callback of the Trainer, waits for it before any other callback's epoch-end,
+validation or end-of-training hook, where callbacks such as Lightning's ``WeightAveraging`` copy weights into the
+model.
 
 A change that bypasses these gates (a parameter changed in place by the LightningModule's own
 ``on_train_batch_end``/``on_train_batch_start`` or in ``training_step``) is detected by the tensors' version

@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ def main() -> None:
     callbacks = [instrument(cb, spent) for cb in (WeightSyncCheck(), HangWatchdog(), StragglerMonitor())]
     clock = StepCPU()
     data = TensorDataset(torch.randn(8 * args.steps, MLP_SHAPE[0]))
+    scratch = tempfile.TemporaryDirectory(prefix="callback-cost-")  # StragglerMonitor's CSV and plot go here
     trainer = pl.Trainer(
+        default_root_dir=scratch.name,
         accelerator="cpu",
         devices=1,
         strategy=SafeDDPStrategy(),
@@ -102,6 +105,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(MLP(), DataLoader(data, batch_size=8))
+    scratch.cleanup()
     steps = len(clock.steps)
     per_step = {k: v / steps for k, v in spent.items() if k.split(".", 1)[1] not in PER_FIT_HOOKS}
     hooks_total = sum(per_step.values())

@@ -77,7 +77,7 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
     _remove_stale_temporaries(directory)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "w+b") as file:  # readable too: HashingWriter reads the zip directory back
+        with open(tmp, "w+b") as file:  # readable too: HashingWriter(parallel=False) reads the zip directory back
             yield file
             file.flush()
             os.fsync(file.fileno())

@@ -496,7 +496,7 @@ def test_non_dict_payload_is_rejected(tmp_path: Path, checkpoint_io: SafeCheckpo
 
 
 def big_checkpoint() -> dict[str, Any]:
-    """Tensors above HashingWriter's 1 MiB threshold (their CRC-32 comes from the zip directory), small ones, a view."""
+    """Tensors above HashingWriter's 1 MiB threshold (their CRC-32 is taken apart from the small writes'), a view."""
     generator = torch.Generator().manual_seed(5)
     base = torch.randn(1024, 1024, generator=generator)  # 4 MiB
     return {
@@ -586,14 +586,23 @@ def test_newer_format_is_reported_as_newer(tmp_path: Path, saved: tuple[Path, di
         verify(str(path))
 
 
-@pytest.mark.parametrize("torch_zip_crcs", [True, False], ids=["zip-crcs", "zip-crcs-off"])
+@pytest.mark.parametrize(
+    ("parallel", "torch_zip_crcs"),
+    [(True, True), (False, True), (False, False)],
+    ids=["parallel-crc", "from-zip-directory", "read-back"],
+)
 def test_crc32_of_large_tensors_matches_the_bytes_on_disk(
-    tmp_path: Path, checkpoint_io: SafeCheckpointIO, torch_zip_crcs: bool
+    tmp_path: Path, checkpoint_io: SafeCheckpointIO, parallel: bool, torch_zip_crcs: bool, monkeypatch
 ) -> None:
-    """The record's CRC-32, combined from the zip directory's record CRCs, is that of the payload's bytes.
+    """The record's CRC-32 is that of the payload's bytes, however the large writes' CRC-32 was obtained.
 
-    With torch's zip CRCs switched off (all zero), the writer reads the large writes back instead.
+    ``parallel``: computed on the helper thread beside each write (torch's zip CRCs off; the default). Otherwise,
+    as on torch < 2.6 without ``set_crc32_options``: taken from the zip directory's record CRCs, or, with torch's
+    zip CRCs switched off (all zero), by reading the large writes back.
     """
+    from ddp_strategy.checkpoint import io as checkpoint_io_module
+
+    monkeypatch.setattr(checkpoint_io_module, "_CAN_SKIP_ZIP_CRCS", parallel)
     path = tmp_path / "big.ckpt"
     checkpoint = big_checkpoint()
     previous = torch.serialization.get_crc32_options()
@@ -607,7 +616,7 @@ def test_crc32_of_large_tensors_matches_the_bytes_on_disk(
     assert record is not None and record.format_version == 2
     assert record.checksum == f"crc32:{zlib.crc32(data[: record.payload_bytes]):08x}"
     assert_same(checkpoint_io.load_checkpoint(path), checkpoint)
-    # damage inside the largest tensor's bytes (whose CRC the writer never computed itself) is caught
+    # damage inside the largest tensor's bytes is caught
     damaged = bytearray(data)
     damaged[record.payload_bytes // 2] ^= 0x10
     path.write_bytes(bytes(damaged))

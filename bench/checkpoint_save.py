@@ -194,9 +194,10 @@ class TrainingStep:
         }
 
     def deferred(self) -> Callable[[Any], bool]:
-        """What SafeDDPStrategy defers during training: parameters and optimizer state (cf. deferrable_tensors)."""
-        addresses = {p.data_ptr() for p in self.model.parameters()}
-        addresses.update(t.data_ptr() for st in self.optimizer.state.values() for t in st.values() if t.dim())
+        """What SafeDDPStrategy defers during training: parameters and optimizer state."""
+        from ddp_strategy.checkpoint.overlap import optimizer_owned_addresses
+
+        addresses = optimizer_owned_addresses(self.model, [self.optimizer])
         return lambda t: t.data_ptr() in addresses
 
 

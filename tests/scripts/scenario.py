@@ -31,10 +31,12 @@ from ddp_strategy.testing import Fault, FaultInjector
 
 
 class TinyModel(pl.LightningModule):
-    def __init__(self, scenario: str = "fit_ok", hidden: int = 16, batchnorm: bool = False) -> None:
+    def __init__(
+        self, scenario: str = "fit_ok", hidden: int = 16, batchnorm: bool = False, optimizer: str = "sgd"
+    ) -> None:
         super().__init__()
         self.scenario = scenario
-        self.optimizer_name = "sgd"
+        self.optimizer_name = optimizer
         norm: list[nn.Module] = [nn.BatchNorm1d(hidden)] if batchnorm else []
         self.net = nn.Sequential(nn.Linear(8, hidden), *norm, nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 2))
         self.register_buffer("counter", torch.zeros(1))
@@ -260,8 +262,7 @@ def main() -> None:
             return "safe_ddp"
         return args.strategy
 
-    model = TinyModel(args.scenario, hidden=args.hidden, batchnorm=args.batchnorm)
-    model.optimizer_name = args.optimizer
+    model = TinyModel(args.scenario, hidden=args.hidden, batchnorm=args.batchnorm, optimizer=args.optimizer)
     train, val = loaders(num_workers=args.num_workers, persistent=args.persistent_workers)
     model, train = sharding_data(args, model, train)
     runs = 2 if args.scenario == "two_fits" else 1

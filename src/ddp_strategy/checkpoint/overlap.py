@@ -17,15 +17,16 @@ counted by PyTorch, so code that does that in those hooks needs ``async_snapshot
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
-__all__ = ["SnapshotGate", "deferrable_tensors", "install_snapshot_gate"]
+__all__ = ["SnapshotGate", "deferrable_tensors", "install_snapshot_gate", "optimizer_owned_addresses"]
 
 
 def deferrable_tensors(trainer: pl.Trainer) -> Callable[[Tensor], bool] | None:
@@ -42,15 +43,21 @@ def deferrable_tensors(trainer: pl.Trainer) -> Callable[[Tensor], bool] | None:
         or not module.automatic_optimization
     ):
         return None
-    addresses = {p.data_ptr() for p in module.parameters() if p.numel()}
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            addresses.update(t.data_ptr() for t in state.values() if isinstance(t, Tensor) and t.numel())
+    addresses = optimizer_owned_addresses(module, trainer.optimizers)
 
     def deferred(tensor: Tensor) -> bool:
         return tensor.numel() > 0 and tensor.data_ptr() in addresses
 
     return deferred
+
+
+def optimizer_owned_addresses(module: nn.Module, optimizers: Iterable[Any]) -> set[int]:
+    """Data pointers of ``module``'s parameters and of the optimizers' state tensors (what only a step changes)."""
+    addresses = {p.data_ptr() for p in module.parameters() if p.numel()}
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            addresses.update(t.data_ptr() for t in state.values() if isinstance(t, Tensor) and t.numel())
+    return addresses
 
 
 class SnapshotGate(Callback):

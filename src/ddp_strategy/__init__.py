@@ -1,12 +1,15 @@
 """ddp_strategy: a Lightning DDP strategy that turns silent distributed-training mistakes into named errors.
 
 Importing the package registers ``"safe_ddp"`` and ``"safe_ddp_spawn"`` in Lightning's strategy registry, so
-``Trainer(strategy="safe_ddp")`` works.
+``Trainer(strategy="safe_ddp")`` works; when the standalone ``pytorch_lightning`` package is installed too (in a
+supported release), in its registry as well, with the classes of :mod:`ddp_strategy.pytorch_lightning`.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from importlib import metadata
 
-from ddp_strategy.errors import (
+from ._compat import supports_lightning
+from ._compat.lightning import StrategyRegistry
+from .errors import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
     CheckpointWriteError,
@@ -19,7 +22,7 @@ from ddp_strategy.errors import (
     UnevenEvaluationError,
     UnsafeCheckpointError,
 )
-from ddp_strategy.strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
+from .strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
 
 __all__ = [
     "DEFAULT_BARRIER_TIMEOUT",
@@ -41,3 +44,14 @@ __all__ = [
 __version__ = "0.1.0"
 
 SafeDDPStrategy.register_strategies(StrategyRegistry)
+
+
+def _standalone_pytorch_lightning_supported() -> bool:
+    try:
+        return supports_lightning(metadata.version("pytorch-lightning"))
+    except metadata.PackageNotFoundError:
+        return False
+
+
+if _standalone_pytorch_lightning_supported():  # register "safe_ddp" for pytorch_lightning.Trainer too
+    from . import pytorch_lightning  # noqa: F401

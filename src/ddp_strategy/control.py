@@ -25,8 +25,9 @@ from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from ddp_strategy.errors import CollectiveMismatchError
-from ddp_strategy.positions import Position, call_site, format_ranks
+from ._compat.torch import default_store, new_store_connection
+from .errors import CollectiveMismatchError
+from .positions import Position, call_site, format_ranks
 
 __all__ = ["ControlPlane", "Store", "to_timedelta"]
 
@@ -155,13 +156,13 @@ class ControlPlane:
             raise RuntimeError(f"ddp_strategy: creating the gloo control group returned {group!r}")
         token = [uuid.uuid4().hex if rank == 0 else ""]
         dist.broadcast_object_list(token, src=0, group=group)
-        base = dist.distributed_c10d._get_default_store()
+        base = default_store()
         prefix = f"ddp_strategy/{token[0]}/"
         store: Store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
         heartbeat_store: Store | None = None
 
         def connect() -> Store:
-            return dist.PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
+            return dist.PrefixStore(prefix, new_store_connection(base))  # type: ignore[attr-defined]
 
         if world_size > 1:  # a second connection, so the heartbeat never waits behind a blocking wait()
             heartbeat_store = connect()

@@ -22,14 +22,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
-import lightning
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_strategy.errors import DuplicateDeviceError, RankDivergenceError, SetupMismatchError
-from ddp_strategy.fingerprint import TensorFingerprint, fingerprint_module
-from ddp_strategy.positions import format_ranks
+from ._compat.lightning import NAMESPACE, training_dataloaders
+from ._compat.lightning import VERSION as LIGHTNING_VERSION
+from .errors import DuplicateDeviceError, RankDivergenceError, SetupMismatchError
+from .fingerprint import TensorFingerprint, fingerprint_module
+from .positions import format_ranks
 
 __all__ = [
     "RankFacts",
@@ -130,7 +131,7 @@ def collect_facts(
         versions={
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "lightning": lightning.__version__,
+            NAMESPACE: LIGHTNING_VERSION,
             "ddp_strategy": _package_version(),
         },
         world_size=world_size,
@@ -165,11 +166,10 @@ def train_sampler_seeds(trainer: object | None) -> tuple[int, ...] | None:
             ``self.lightning_module._trainer`` as is).
 
     """
-    fit_loop = getattr(trainer, "fit_loop", None)
-    combined = getattr(fit_loop, "_combined_loader", None)
-    if combined is None:
+    dataloaders = training_dataloaders(trainer)
+    if not dataloaders:
         return None
-    return sampler_seeds(combined.flattened)
+    return sampler_seeds(dataloaders)
 
 
 def check_facts(facts: Sequence[RankFacts]) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ddp_strategy.control import ControlPlane
-from ddp_strategy.positions import Position
+from .control import ControlPlane
+from .positions import Position
 
 __all__ = ["describe_failed_peers"]
 

@@ -8,6 +8,8 @@ from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from ._compat.lightning import RunningStage, update_dataloader
+
 __all__ = ["ResumeSampler", "skip_consumed_batches"]
 
 
@@ -53,13 +55,10 @@ def skip_consumed_batches(dataloader: object, batches: int) -> DataLoader[Any] |
         sampler, e.g. a custom batch sampler or an IterableDataset).
 
     """
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _update_dataloader
-
     if not isinstance(dataloader, DataLoader) or type(dataloader.batch_sampler) is not BatchSampler:
         return None
     batch_sampler = dataloader.batch_sampler
     if batch_sampler.batch_size is None:
         return None
     sampler = ResumeSampler(cast(Sampler[Any], batch_sampler.sampler), batches * batch_sampler.batch_size)
-    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+    return cast(DataLoader[Any], update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING))

@@ -10,29 +10,34 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from ddp_strategy.callbacks.sharding_check import ensure_sharding_check
-from ddp_strategy.checkpoint import protocol
-from ddp_strategy.checkpoint.async_writer import AsyncCheckpointWriter
-from ddp_strategy.checkpoint.io import SafeCheckpointIO
-from ddp_strategy.checkpoint.keys import PACKAGE_KEY
-from ddp_strategy.checkpoint.overlap import deferrable_tensors, install_snapshot_gate
-from ddp_strategy.control import ControlPlane, to_timedelta
-from ddp_strategy.errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError
-from ddp_strategy.evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
-from ddp_strategy.handshake import (
+from ._compat.lightning import (
+    CheckpointPath,
+    DDPStrategy,
+    StrategyRegistryType,
+    destroy_default_process_group,
+    init_default_process_group,
+    pl,
+    rank_zero_info,
+    rank_zero_warn,
+    route_resume_path,
+    set_sampler_epoch,
+    trainer_of,
+)
+from .callbacks.sharding_check import ensure_sharding_check
+from .checkpoint import protocol
+from .checkpoint.async_writer import AsyncCheckpointWriter
+from .checkpoint.io import SafeCheckpointIO
+from .checkpoint.keys import PACKAGE_KEY
+from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
+from .control import ControlPlane, to_timedelta
+from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError
+from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
+from .handshake import (
     RankFacts,
     check_devices,
     check_facts,
@@ -41,9 +46,9 @@ from ddp_strategy.handshake import (
     seed_summary,
     train_sampler_seeds,
 )
-from ddp_strategy.peers import describe_failed_peers
-from ddp_strategy.positions import call_site
-from ddp_strategy.sampling import skip_consumed_batches
+from .peers import describe_failed_peers
+from .positions import call_site
+from .sampling import skip_consumed_batches
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
@@ -162,7 +167,7 @@ class SafeDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``"safe_ddp"`` (subprocess launcher) and ``"safe_ddp_spawn"`` (spawn launcher)."""
         for name, start_method in (("safe_ddp", "popen"), ("safe_ddp_spawn", "spawn")):
             strategy_registry.register(
@@ -199,51 +204,37 @@ class SafeDDPStrategy(DDPStrategy):
 
         Lightning resolves ``ckpt_path="last"`` on every rank separately, before any strategy code runs; a node that
         does not see rank 0's checkpoint directory resolves nothing and would silently start from scratch while the
-        others resume. Lightning offers no hook between that resolution and the restore, so this wraps the
-        ``resume_start`` of this trainer's checkpoint connector to replace each rank's path with rank 0's.
+        others resume. Lightning offers no hook between that resolution and the restore, so the seam routes the
+        Trainer's restore through :meth:`_resume_path_of_rank_zero`.
         """
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        connector = getattr(trainer, "_checkpoint_connector", None)
-        if connector is None or getattr(connector.resume_start, "_ddp_strategy", False):
-            return
-        original = connector.resume_start
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            route_resume_path(trainer, self._resume_path_of_rank_zero, marker="__ddp_strategy__")
 
-        def resume_start(checkpoint_path: _PATH | None = None, weights_only: bool | None = None) -> None:
-            control = self._control
-            if control is not None:
-                mine = str(checkpoint_path) if checkpoint_path else None
-                agreed = control.broadcast_object(mine, name="resume-path")
-                if mine != agreed:
-                    log.warning(
-                        "ddp_strategy: rank %d resolved the checkpoint to resume as %r; using rank 0's %r so that "
-                        "every rank resumes from the same one.",
-                        self.global_rank,
-                        mine,
-                        agreed,
-                    )
-                checkpoint_path = agreed
-            original(checkpoint_path, weights_only)
-
-        resume_start._ddp_strategy = True  # type: ignore[attr-defined]
-        connector.resume_start = resume_start
+    def _resume_path_of_rank_zero(self, mine: str | None) -> str | None:
+        control = self._control
+        if control is None:
+            return mine
+        agreed: str | None = control.broadcast_object(mine, name="resume-path")
+        if mine != agreed:
+            log.warning(
+                "ddp_strategy: rank %d resolved the checkpoint to resume as %r; using rank 0's %r so that every "
+                "rank resumes from the same one.",
+                self.global_rank,
+                mine,
+                agreed,
+            )
+        return agreed
 
     @override
     def setup_distributed(self) -> None:
         # As DDPStrategy.setup_distributed, except that NCCL is initialised lazily (no `device_id`): two ranks on
         # one GPU then reach the device check on the control plane instead of failing inside NCCL's own init.
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        created = not dist.is_initialized()
-        store = _elastic_attempt_store(self.world_size, self._timeout) if created else None
-        extra = {"store": store} if store is not None else {}
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, **extra)
-        if created and self._process_group_backend != "nccl":  # Lightning registers this for NCCL itself
+        created = init_default_process_group(self, store=_elastic_attempt_store)
+        if created and self.process_group_backend != "nccl":  # Lightning registers this for NCCL itself
             # The default group outlives teardown (fit, then validate/test, reuse it, as in stock Lightning) and
             # is destroyed when the process exits.
-            atexit.register(_destroy_dist_connection)
+            atexit.register(destroy_default_process_group)
 
     @property
     def exact_evaluation_coordinator(self) -> ExactEvaluation | None:
@@ -390,7 +381,9 @@ class SafeDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None = None
+    ) -> None:
         """Collective save: every rank's RNG state goes into the file rank 0 writes; all ranks learn the outcome.
 
         Raises:
@@ -429,7 +422,7 @@ class SafeDDPStrategy(DDPStrategy):
         return self.local_rank == 0 if self.save_on == "node_zero" else self.is_global_zero
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: CheckpointPath) -> None:
         """Remove a checkpoint on each writer; with ``async_save``, only after the write in flight has succeeded."""
         if not self._is_writer:
             return
@@ -495,7 +488,7 @@ class SafeDDPStrategy(DDPStrategy):
             )
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: CheckpointPath, weights_only: bool | None = None) -> dict[str, Any]:
         """Rank 0 verifies (and for ``last`` falls back), every rank loads the agreed file onto its own device.
 
         Raises:
@@ -549,7 +542,7 @@ class SafeDDPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+        set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
         if self._resumed is None:
             return dataloader
         skip = int(self._resumed["skip_batches"])
@@ -587,8 +580,7 @@ class SafeDDPStrategy(DDPStrategy):
         )
 
     def _trainer_or_none(self) -> pl.Trainer | None:
-        module = self.lightning_module
-        return module._trainer if module is not None else None
+        return trainer_of(self.lightning_module)
 
     def _check_devices(self) -> None:
         """Early device check, before any data-plane collective can touch a shared GPU."""

@@ -5,7 +5,7 @@ no cluster and no special launcher: start your script with Lightning's launcher 
 
 Example::
 
-    from ddp_strategy.testing import FaultInjector
+    from .testing import FaultInjector
 
     injector = FaultInjector().kill_rank(1, at_step=5)  # SIGKILL rank 1 when it starts step 5
     trainer = Trainer(strategy=SafeDDPStrategy(), callbacks=[injector, ...])
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from ._compat.lightning import Callback, pl
 
 __all__ = [
     "Fault",

@@ -18,14 +18,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning_namespace import pl  # registers "safe_ddp" in that namespace's registry
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, TensorDataset, get_worker_info
-
-import ddp_strategy  # noqa: F401  (registers "safe_ddp")
 
 NUM_CLASSES = 3
 FEATURES = 4

@@ -17,17 +17,23 @@ import sys
 import time
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning_namespace import (
+    NAMESPACE,
+    CSVLogger,
+    ModelCheckpoint,
+    SafeDDPStrategy,
+    callbacks,
+    ddp_strategy,
+    pl,
+    testing,
+)
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import ddp_strategy
-from ddp_strategy import SafeDDPStrategy
-from ddp_strategy.callbacks import HangWatchdog, ShardingCheck, StragglerMonitor, WeightSyncCheck
-from ddp_strategy.testing import Fault, FaultInjector
+HangWatchdog, ShardingCheck = callbacks.HangWatchdog, callbacks.ShardingCheck
+StragglerMonitor, WeightSyncCheck = callbacks.StragglerMonitor, callbacks.WeightSyncCheck
+Fault, FaultInjector = testing.Fault, testing.FaultInjector
 
 
 class TinyModel(pl.LightningModule):
@@ -295,6 +301,9 @@ def main() -> None:
             "scenario": args.scenario,
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
+            "namespace": NAMESPACE,
+            "strategy_module": type(trainer.strategy).__module__,
+            "trainer_module": type(trainer).__module__,
             "global_step": trainer.global_step,
             "handshake_seconds": handshake_seconds,
             "control_plane_closed": getattr(trainer.strategy, "control_plane", None) is None,

@@ -1,10 +1,10 @@
 """Callbacks that check rank consistency during training."""
 
-from ddp_strategy.callbacks.global_loss import GlobalTrainingLoss
-from ddp_strategy.callbacks.hang_watchdog import HangWatchdog
-from ddp_strategy.callbacks.sharding_check import ShardingCheck, ensure_sharding_check
-from ddp_strategy.callbacks.straggler import StragglerMonitor
-from ddp_strategy.callbacks.weight_sync import WeightSyncCheck
+from .global_loss import GlobalTrainingLoss
+from .hang_watchdog import HangWatchdog
+from .sharding_check import ShardingCheck, ensure_sharding_check
+from .straggler import StragglerMonitor
+from .weight_sync import WeightSyncCheck
 
 __all__ = [
     "GlobalTrainingLoss",

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
+
+from .._compat.lightning import Callback, pl
 
 __all__ = ["GlobalTrainingLoss"]
 

@@ -27,13 +27,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from ddp_strategy.control import ControlPlane, Store, to_timedelta
-from ddp_strategy.positions import LIBRARY_MARKERS, Position, format_ranks
+from .._compat.lightning import Callback, pl, rank_zero_warn
+from ..control import ControlPlane, Store, to_timedelta
+from ..positions import LIBRARY_MARKERS, Position, format_ranks
 
 __all__ = ["HANG_EXIT_CODE", "HangWatchdog"]
 

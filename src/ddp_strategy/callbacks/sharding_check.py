@@ -39,10 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
@@ -54,9 +51,10 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
-from ddp_strategy.errors import ShardingError
-from ddp_strategy.fingerprint import fingerprint_tensors
-from ddp_strategy.positions import format_ranks
+from .._compat.lightning import Callback, pl, rank_zero_warn, training_dataloaders, uses_distributed_sampler
+from ..errors import ShardingError
+from ..fingerprint import fingerprint_tensors
+from ..positions import format_ranks
 
 __all__ = [
     "BatchReport",
@@ -68,7 +66,6 @@ __all__ = [
     "batch_indices",
     "describe_loader",
     "ensure_sharding_check",
-    "train_dataloaders",
 ]
 
 log = logging.getLogger(__name__)
@@ -208,12 +205,6 @@ def batch_indices(dataloader: object, batch_idx: int) -> list[int] | None:
 
 
 # ---------------------------------------------------------------------------------------------- loaders
-def train_dataloaders(trainer: pl.Trainer) -> list[object]:
-    """The training dataloaders as the fit loop iterates them (after Lightning and the strategy replaced samplers)."""
-    combined = trainer.fit_loop._combined_loader
-    return list(combined.flattened) if combined is not None else []
-
-
 def describe_loader(dataloader: object) -> LoaderFacts:
     """Describe how ``dataloader`` picks its samples (see :class:`LoaderFacts`)."""
     if not isinstance(dataloader, DataLoader):
@@ -479,7 +470,7 @@ class ShardingCheck(Callback):
     ) -> None:
         if self._done:
             return
-        loaders = train_dataloaders(trainer)
+        loaders = training_dataloaders(trainer)
         self._data.append(batch_fingerprint(batch))
         self._indices.append(_indices_fingerprint(batch_indices(loaders[0], batch_idx) if len(loaders) == 1 else None))
         if len(self._data) >= self.batches:
@@ -501,9 +492,9 @@ class ShardingCheck(Callback):
         self._done = True
         report = BatchReport(
             rank=trainer.global_rank,
-            use_distributed_sampler=getattr(trainer._accelerator_connector, "use_distributed_sampler", None),
+            use_distributed_sampler=uses_distributed_sampler(trainer),
             global_seed=os.environ.get("PL_GLOBAL_SEED"),
-            loaders=tuple(describe_loader(dl) for dl in train_dataloaders(trainer)),
+            loaders=tuple(describe_loader(dl) for dl in training_dataloaders(trainer)),
             data=tuple(self._data),
             indices=tuple(self._indices),
         )

@@ -12,12 +12,10 @@ from array import array
 from pathlib import Path
 from typing import Any, cast
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from ddp_strategy.control import ControlPlane
+from .._compat.lightning import Callback, pl, rank_zero_warn
+from ..control import ControlPlane
 
 __all__ = ["PHASES", "StragglerMonitor"]
 

@@ -6,16 +6,14 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_strategy.errors import RankDivergenceError
-from ddp_strategy.fingerprint import fingerprint_tensors, named_tensors
-from ddp_strategy.positions import format_ranks
+from .._compat.lightning import Callback, pl, rank_zero_warn
+from ..errors import RankDivergenceError
+from ..fingerprint import fingerprint_tensors, named_tensors
+from ..positions import format_ranks
 
 __all__ = ["WeightSyncCheck"]
 

@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 
-from ddp_strategy.errors import DDPStrategyError
+from .._compat.lightning import CheckpointIO
+from .._compat.torch import tensor_version
+from ..errors import DDPStrategyError
 
 __all__ = ["AsyncCheckpointWriter", "snapshot"]
 
@@ -115,7 +116,7 @@ def _snapshot(obj: Any, reuse: Any, deferred: Callable[[torch.Tensor], bool] | N
     if isinstance(obj, torch.Tensor):
         if deferred is not None and _deferrable(obj) and deferred(obj):
             target = reuse if _reusable(reuse, obj) else torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
-            pending.append((target, obj.detach(), obj._version))
+            pending.append((target, obj.detach(), tensor_version(obj)))
             return target
         if _reusable(reuse, obj):
             return reuse.copy_(obj.detach())
@@ -141,7 +142,7 @@ def _copy_deferred(pending: list[_Pending]) -> str | None:
     with _one_intra_op_thread():
         for target, source, version in pending:
             target.copy_(source)
-            if source._version != version:
+            if tensor_version(source) != version:
                 changed += 1
     if changed:
         return (

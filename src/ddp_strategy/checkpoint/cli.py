@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from ddp_strategy.checkpoint.export import SAFETENSORS_SUFFIX, export, load_checkpoint_object, verify_safetensors
-from ddp_strategy.checkpoint.format import verify
-from ddp_strategy.checkpoint.keys import RNG_STATES_KEY, WORLD_SIZE_KEY, package_state
-from ddp_strategy.errors import CheckpointIntegrityError, DDPStrategyError, UnsafeCheckpointError
+from ..errors import CheckpointIntegrityError, DDPStrategyError, UnsafeCheckpointError
+from .export import SAFETENSORS_SUFFIX, export, load_checkpoint_object, verify_safetensors
+from .format import verify
+from .keys import RNG_STATES_KEY, WORLD_SIZE_KEY, package_state
 
 __all__ = ["describe", "main"]
 

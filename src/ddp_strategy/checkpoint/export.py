@@ -5,7 +5,7 @@ A model trained under DDP and saved with ``ddp_model.state_dict()`` has every ke
 that are attribute paths of the ``LightningModule`` (``net.0.weight``). This module turns any of those into the
 state dict a plain ``nn.Module`` accepts with ``load_state_dict(strict=True)``::
 
-    from ddp_strategy.checkpoint.export import export, load_into
+    from .export import export, load_into
 
     load_into(model, "epoch=3.ckpt", strip_prefix="net.")      # LightningModule attribute ``net`` -> plain model
     export("epoch=3.ckpt", "model.safetensors", strip_prefix="net.")
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_strategy.checkpoint.atomic import atomic_file
-from ddp_strategy.checkpoint.io import SafeCheckpointIO
-from ddp_strategy.errors import CheckpointIntegrityError
+from ..errors import CheckpointIntegrityError
+from .atomic import atomic_file
+from .io import SafeCheckpointIO
 
 __all__ = [
     "SAFETENSORS_SUFFIX",

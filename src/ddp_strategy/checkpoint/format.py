@@ -39,7 +39,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import IO, Any
 
-from ddp_strategy.errors import CheckpointIntegrityError
+import fsspec
+
+from ..errors import CheckpointIntegrityError
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -49,6 +51,7 @@ __all__ = [
     "HashingWriter",
     "IntegrityRecord",
     "crc32_combine",
+    "filesystem",
     "read_record",
     "verify",
     "verify_stream",
@@ -544,6 +547,14 @@ def verify_stream(file: IO[bytes], size: int, *, path: str) -> IntegrityRecord |
     return record
 
 
+def filesystem(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> fsspec.AbstractFileSystem:
+    """The fsspec filesystem of ``path`` (local for a plain path; ``s3://``, ``gs://``, ... by protocol)."""
+    fs, _ = fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+    return fs
+
+
 def verify(path: str, storage_options: dict[str, Any] | None = None) -> IntegrityRecord | None:
     """Check a checkpoint file against its integrity record.
 
@@ -560,9 +571,7 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> Integrit
         FileNotFoundError: there is no file at ``path``.
 
     """
-    from lightning.fabric.utilities.cloud_io import get_filesystem
-
-    fs = get_filesystem(path, **(storage_options or {}))
+    fs = filesystem(path, storage_options)
     if not fs.exists(path):
         raise FileNotFoundError(f"Checkpoint '{path}' does not exist.")
     if fs.isdir(path):

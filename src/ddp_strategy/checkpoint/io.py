@@ -24,23 +24,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
-from ddp_strategy.checkpoint.atomic import EarlyWriteback, atomic_file
-from ddp_strategy.checkpoint.format import (
+from .._compat.lightning import CheckpointIO, CheckpointPath
+from ..errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
+from .atomic import EarlyWriteback, atomic_file
+from .format import (
     CHECKSUM_ALGORITHM,
     CHECKSUM_ALGORITHMS,
     WRITEBACK_PIECE_BYTES,
     HashingWriter,
     IntegrityRecord,
+    filesystem,
     verify,
     write_footer,
 )
-from ddp_strategy.checkpoint.keys import WORLD_SIZE_KEY, package_state
-from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
+from .keys import WORLD_SIZE_KEY, package_state
 
 __all__ = ["SafeCheckpointIO"]
 
@@ -76,7 +75,7 @@ def _local_path(path: str) -> str:
 
 
 def _writer_tag() -> str:
-    from ddp_strategy import __version__
+    from .. import __version__
 
     return f"ddp_strategy {__version__}"
 
@@ -104,7 +103,9 @@ class SafeCheckpointIO(CheckpointIO):
         self.checksum = checksum
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: CheckpointPath, storage_options: Any | None = None
+    ) -> None:
         """Write ``checkpoint`` to ``path`` atomically with its integrity record.
 
         Raises:
@@ -170,7 +171,7 @@ class SafeCheckpointIO(CheckpointIO):
             self._write_stream(checkpoint, file, writeback=True)
 
     def _save_remote(self, checkpoint: dict[str, Any], path: str, storage_options: Any | None) -> None:
-        fs = get_filesystem(path, **(storage_options or {}))
+        fs = filesystem(path, **(storage_options or {}))
         parent = path.rsplit("/", 1)[0]
         fs.makedirs(parent, exist_ok=True)
         with tempfile.NamedTemporaryFile(suffix=".ckpt") as local:
@@ -189,7 +190,7 @@ class SafeCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: CheckpointPath,
         map_location: Callable[..., Any] | torch.device | str | dict[str, str] | None = None,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
@@ -217,7 +218,7 @@ class SafeCheckpointIO(CheckpointIO):
                 path,
             )
         safe = weights_only is not False
-        fs = get_filesystem(path)
+        fs = filesystem(path)
         with fs.open(path, "rb") as file:
             try:
                 loaded = torch.load(file, map_location=map_location, weights_only=safe)
@@ -244,8 +245,8 @@ class SafeCheckpointIO(CheckpointIO):
         return loaded
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: CheckpointPath) -> None:
         """Remove a checkpoint file if it exists."""
-        fs = get_filesystem(path)
+        fs = filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)

@@ -20,11 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
+
+from .._compat.lightning import Callback, TrainerFn, pl
 
 __all__ = ["SnapshotGate", "deferrable_tensors", "install_snapshot_gate", "optimizer_owned_addresses"]
 

@@ -22,18 +22,16 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.utilities.cloud_io import get_filesystem
-
-from ddp_strategy.checkpoint import rng
-from ddp_strategy.checkpoint.format import IntegrityRecord, verify
-from ddp_strategy.checkpoint.keys import PACKAGE_KEY, RNG_STATES_KEY, WORLD_SIZE_KEY
-from ddp_strategy.control import ControlPlane
-from ddp_strategy.errors import (
+from ..control import ControlPlane
+from ..errors import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
     CheckpointWriteError,
     DDPStrategyError,
 )
+from . import rng
+from .format import IntegrityRecord, filesystem, verify
+from .keys import PACKAGE_KEY, RNG_STATES_KEY, WORLD_SIZE_KEY
 
 __all__ = ["check_model_keys", "check_resumable", "load", "resolve", "save"]
 
@@ -93,7 +91,7 @@ def save(
 
 def _candidates(path: str) -> list[tuple[int, float, str]]:
     """Other checkpoint files in ``path``'s directory, newest first (by global step, then mtime)."""
-    fs = get_filesystem(path)
+    fs = filesystem(path)
     directory = os.path.dirname(path) or "."
     found: list[tuple[int, float, str]] = []
     for entry in fs.ls(directory, detail=True):
@@ -185,7 +183,7 @@ def load(
     if control.rank == 0:
         blind = [rank for rank, ok in enumerate(readable) if not ok]
         log.warning("ddp_strategy: rank(s) %s cannot read '%s' on their disk; rank 0 sends it to them", blind, chosen)
-        with get_filesystem(chosen).open(chosen, "rb") as file:
+        with filesystem(chosen).open(chosen, "rb") as file:
             data: bytes | None = file.read()
     else:
         data = None

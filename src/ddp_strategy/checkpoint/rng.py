@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+from .._compat.lightning import collect_rng_states, set_rng_states
 
 __all__ = ["capture", "reseed", "restore"]
 
@@ -26,7 +27,7 @@ def _cuda_in_use() -> bool:
 
 def capture() -> dict[str, Any]:
     """This process's RNG states, using only tensors, numbers, strings, tuples and lists."""
-    states = _collect_rng_states(include_cuda=_cuda_in_use())
+    states = collect_rng_states(include_cuda=_cuda_in_use())
     name, keys, pos, has_gauss, cached = states["numpy"]
     states["numpy"] = (
         str(name),
@@ -53,7 +54,7 @@ def restore(states: dict[str, Any]) -> None:
     )
     if not _cuda_in_use():
         native.pop("torch.cuda", None)
-    _set_rng_states(native)
+    set_rng_states(native)
 
 
 def reseed(base: int, rank: int) -> int:

@@ -1,7 +1,7 @@
 """Exact distributed evaluation: every sample evaluated once, metrics equal to the single-device result."""
 
-from ddp_strategy.evaluation.coordinator import PREDICTIONS_ON, ExactEvaluation, interleave_batches
-from ddp_strategy.evaluation.sharding import (
+from .coordinator import PREDICTIONS_ON, ExactEvaluation, interleave_batches
+from .sharding import (
     BatchShardSampler,
     RankStridedIterable,
     SeededPermutationSampler,

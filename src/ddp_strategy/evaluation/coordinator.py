@@ -9,20 +9,25 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_strategy.errors import UnevenEvaluationError
-from ddp_strategy.evaluation.logged import active_keys, add_missing_entries, merge_keys
-from ddp_strategy.evaluation.loops import install_exact_loops
-from ddp_strategy.evaluation.sharding import shard_evaluation_dataloader
+from .._compat.lightning import (
+    RunningStage,
+    move_data_to_device,
+    pl,
+    rank_zero_warn,
+    unwrap_index_batch_sampler,
+    uses_distributed_sampler,
+    wrap_evaluation_dataloader_preparation,
+)
+from .._compat.loops import install_exact_loops
+from .._compat.torch import sync_ddp_buffers
+from ..errors import UnevenEvaluationError
+from .logged import active_keys, add_missing_entries, merge_keys
+from .sharding import BatchShardSampler, RankStridedIterable, shard_evaluation_dataloader
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
-    from ddp_strategy.control import ControlPlane
+    from ..control import ControlPlane
 
 __all__ = ["PREDICTIONS_ON", "ExactEvaluation", "interleave_batches", "sync_buffers_before_evaluation"]
 
@@ -69,8 +74,7 @@ def sync_buffers_before_evaluation(model: object) -> None:
     """
     if not isinstance(model, DistributedDataParallel):
         return
-    if model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
-        model._sync_buffers()  # type: ignore[no-untyped-call]
+    sync_ddp_buffers(model)
     model.require_forward_param_sync = False  # as after DDP's own forward without gradients
 
 
@@ -109,17 +113,12 @@ class ExactEvaluation:
                 "Evaluation uses Lightning's padded DistributedSampler (samples may be counted twice)."
             )
             return False
-        connector = trainer._data_connector
-        prepare = connector._prepare_dataloader
-        if getattr(prepare, "__ddp_strategy__", False):
-            return True
 
-        def prepare_dataloader(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
-            strategy = trainer.strategy
+        def prepare_dataloader(prepare: Callable[..., object], dataloader: object, shuffle: bool, mode: Any) -> object:
             if (
                 mode == RunningStage.TRAINING
-                or getattr(strategy, "exact_evaluation_coordinator", None) is not self
-                or not trainer._accelerator_connector.use_distributed_sampler  # the user shards by themselves
+                or getattr(trainer.strategy, "exact_evaluation_coordinator", None) is not self
+                or not uses_distributed_sampler(trainer)  # the user shards by themselves
             ):
                 return prepare(dataloader, shuffle, mode)
             result = shard_evaluation_dataloader(
@@ -135,8 +134,7 @@ class ExactEvaluation:
                 rank_zero_warn(result.warning)
             return result.dataloader if result.sharded else prepare(dataloader, shuffle, mode)
 
-        prepare_dataloader.__ddp_strategy__ = True  # type: ignore[attr-defined]
-        connector._prepare_dataloader = prepare_dataloader  # type: ignore[method-assign]
+        wrap_evaluation_dataloader_preparation(trainer, prepare_dataloader, marker="__ddp_strategy__")
         return True
 
     # ------------------------------------------------------------------ step counts
@@ -148,6 +146,20 @@ class ExactEvaluation:
             return
         counts = [float(count) for count in max_batches]
         self.batches_per_rank = control.all_gather_object(counts, name="exact-eval:batch-counts")
+
+    def any_rank_has_batches(self, dataloaders: Sequence[object]) -> bool:
+        """Whether any rank has a batch in these (sharded) dataloaders, decided the same way on every rank.
+
+        A :class:`BatchShardSampler` knows the whole run's batch count, so no communication is needed; an iterable
+        shard's length is unknown, so it counts as having batches.
+        """
+        for dataloader in dataloaders:
+            if isinstance(getattr(dataloader, "dataset", None), RankStridedIterable):
+                return True
+            shard = unwrap_index_batch_sampler(getattr(dataloader, "batch_sampler", None))
+            if isinstance(shard, BatchShardSampler) and (shard.global_batches or 0) > 0:
+                return True
+        return False
 
     @property
     def steps_uneven(self) -> bool:

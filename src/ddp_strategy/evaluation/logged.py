@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .._compat.loops import mark_entry_current, new_result_entry
+
 __all__ = ["LoggedKey", "active_keys", "add_missing_entries", "merge_keys"]
 
 _REDUCTIONS: dict[str, Callable[..., Any]] = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
@@ -126,41 +128,43 @@ def add_missing_entries(
     Returns:
         How many entries were added or re-activated.
 
-    """
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+    Raises:
+        RuntimeError: a logged ``Metric`` has no attribute path in the module (Lightning always records one).
 
+    """
     changed = 0
     for logged in merged:
         entry = results.get(logged.key)
         if entry is not None and not entry.has_reset:
             continue
         if entry is None:
-            meta = _Metadata(
+            metric = None
+            if not logged.is_tensor:
+                if logged.metric_attribute is None:
+                    raise RuntimeError(f"ddp_strategy: logged Metric {logged.name!r} has no attribute path")
+                metric = module.get_submodule(logged.metric_attribute)
+            entry = new_result_entry(
                 fx=logged.fx,
                 name=logged.name,
+                is_tensor=logged.is_tensor,
+                reduce_fx=_REDUCTIONS[logged.reduce],
+                sync_fn=sync_fn,
+                sync=logged.sync,
+                rank_zero_only=logged.rank_zero_only,
+                device=device,
+                metric=metric,
                 prog_bar=logged.prog_bar,
                 logger=logged.logger,
                 on_step=logged.on_step,
                 on_epoch=logged.on_epoch,
-                reduce_fx=_REDUCTIONS[logged.reduce],
                 enable_graph=logged.enable_graph,
                 add_dataloader_idx=logged.add_dataloader_idx,
                 dataloader_idx=logged.dataloader_idx,
                 metric_attribute=logged.metric_attribute,
             )
-            meta.sync = _Sync(fn=sync_fn, _should=logged.sync, rank_zero_only=logged.rank_zero_only)
-            entry = _ResultMetric(meta, logged.is_tensor)
-            if not logged.is_tensor:
-                if logged.metric_attribute is None:
-                    raise RuntimeError(f"ddp_strategy: logged Metric {logged.name!r} has no attribute path")
-                entry.value = module.get_submodule(logged.metric_attribute)
-            entry.to(device)
             results[logged.key] = entry
-        # An entry in its reset state: nothing seen here. Mark it current (so it is computed, and synced, like on
-        # every other rank) and drop any value cached from an earlier epoch.
-        entry.has_reset = False
-        entry._computed = None
-        entry._update_count = max(entry._update_count, 1)  # no "compute before update" warning for an empty shard
+        # An entry in its reset state: nothing seen here. Mark it current, like on every other rank.
+        mark_entry_current(entry)
         changed += 1
     order = {logged.key: i for i, logged in enumerate(merged)}
     if list(results)[: len(order)] != list(order):

@@ -25,6 +25,14 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from .._compat.lightning import (
+    IndexBatchSamplerWrapper,
+    RunningStage,
+    dataloader_init_args,
+    reinstantiate_dataloader,
+    unwrap_index_batch_sampler,
+)
+
 __all__ = [
     "BatchShardSampler",
     "RankStridedIterable",
@@ -183,11 +191,6 @@ def shard_evaluation_dataloader(
         dataloader to Lightning.
 
     """
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-
     warning: str | None = None
     if world_size == 1:
         return ShardResult(dataloader, sharded=False)
@@ -200,7 +203,7 @@ def shard_evaluation_dataloader(
     mode = RunningStage.PREDICTING if predicting else None
     dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset):
-        dl_args, dl_kwargs = _get_dataloader_init_args_and_kwargs(dataloader, None, mode)  # type: ignore[arg-type]
+        dl_args, dl_kwargs = dataloader_init_args(dataloader, None, mode)
         dl_kwargs["dataset"] = RankStridedIterable(dataset, rank, world_size)
         warning = (
             f"ddp_strategy: the {name} over the IterableDataset {type(dataset).__name__} is sharded by dealing its "
@@ -208,7 +211,7 @@ def shard_evaluation_dataloader(
             "This is exact only if the dataset yields the same items in the same order on every rank and does not "
             "shard by rank itself; if it does, pass `SafeDDPStrategy(exact_evaluation=False)`."
         )
-        return ShardResult(_reinstantiate_wrapped_cls(dataloader, *dl_args, **dl_kwargs), True, warning)
+        return ShardResult(reinstantiate_dataloader(dataloader, *dl_args, **dl_kwargs), True, warning)
     if dataloader.batch_size is None and dataloader.batch_sampler is None:
         warning = (
             f"ddp_strategy: the {name} has automatic batching disabled (`batch_size=None`), so it is not sharded "
@@ -221,10 +224,9 @@ def shard_evaluation_dataloader(
     single, known_order = _single_device_sampler(sampler, dataset, seed)
     # Lightning rebuilds the user's batch sampler (same class, batch size, drop_last) over `single`: the batches
     # one device would run. In predict mode it also forces drop_last=False and adds its index-tracking wrapper.
-    dl_args, dl_kwargs = _get_dataloader_init_args_and_kwargs(dataloader, single, mode)
+    dl_args, dl_kwargs = dataloader_init_args(dataloader, single, mode)
     single_batches = dl_kwargs.get("batch_sampler")
-    if isinstance(single_batches, _IndexBatchSamplerWrapper):
-        single_batches = single_batches._batch_sampler
+    single_batches = unwrap_index_batch_sampler(single_batches)
     if single_batches is None:  # a standard BatchSampler, given to the DataLoader or made by it
         size = cast(int, getattr(batch_sampler, "batch_size", dataloader.batch_size))
         drop_last = bool(getattr(batch_sampler, "drop_last", dataloader.drop_last))
@@ -232,9 +234,9 @@ def shard_evaluation_dataloader(
     custom_batches = type(single_batches) is not BatchSampler
     shard: Any = BatchShardSampler(single_batches, rank, world_size)
     if predicting:
-        shard = _IndexBatchSamplerWrapper(shard)
+        shard = IndexBatchSamplerWrapper(shard)
     dl_kwargs.update(sampler=None, shuffle=False, batch_sampler=shard, batch_size=1, drop_last=False)
-    new = _reinstantiate_wrapped_cls(dataloader, *dl_args, **dl_kwargs)
+    new = reinstantiate_dataloader(dataloader, *dl_args, **dl_kwargs)
     if not known_order or custom_batches:
         kind = type(single_batches) if custom_batches else type(single)
         what = f"{'batch sampler' if custom_batches else 'sampler'} {kind.__name__}"

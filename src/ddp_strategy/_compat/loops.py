@@ -2,32 +2,66 @@
 
 Stock loops skip evaluation on a rank whose dataloaders are empty, which is right on one device and a deadlock
 with exact sharding: that rank would miss the epoch-end hooks and metric syncs the other ranks run. These
-subclasses skip only when *no* rank has a batch, and call :class:`~ddp_strategy.evaluation.coordinator.
-ExactEvaluation` at the points where ranks must agree. They are installed on a Trainer's own loop objects by
-:func:`install_exact_loops`; everything else is the stock loop.
+subclasses of Lightning's private loop classes skip only when *no* rank has a batch, and call the strategy's
+exact-evaluation coordinator (anything with the methods of :class:`LoopAgreements`; in practice
+:class:`~ddp_strategy.evaluation.coordinator.ExactEvaluation`) where ranks must agree. They are installed on a
+Trainer's own loop objects by :func:`install_exact_loops`; everything else is the stock loop.
+
+The logged-result entries a rank must create for keys it never logged (:func:`new_result_entry`) live here too:
+they are instances of Lightning's private result classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Protocol
 
-import lightning.pytorch as pl
-from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
-from lightning.pytorch.loops.prediction_loop import _PredictionLoop
-from lightning.pytorch.trainer.states import RunningStage
+import torch
 from typing_extensions import override
 
-from ddp_strategy.evaluation.sharding import BatchShardSampler, RankStridedIterable
+from .lightning import RunningStage, pl
 
 if TYPE_CHECKING:
-    from ddp_strategy.evaluation.coordinator import ExactEvaluation
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop as EvaluationLoop
+    from lightning.pytorch.loops.prediction_loop import _PredictionLoop as PredictionLoop
+    from lightning.pytorch.trainer.connectors.logger_connector import result as _result
+else:
+    EvaluationLoop = import_module(f"{pl.__name__}.loops.evaluation_loop")._EvaluationLoop
+    PredictionLoop = import_module(f"{pl.__name__}.loops.prediction_loop")._PredictionLoop
+    _result = import_module(f"{pl.__name__}.trainer.connectors.logger_connector.result")
 
-__all__ = ["ExactEvaluationLoop", "ExactPredictionLoop", "install_exact_loops"]
+__all__ = [
+    "ExactEvaluationLoop",
+    "ExactPredictionLoop",
+    "LoopAgreements",
+    "install_exact_loops",
+    "mark_entry_current",
+    "new_result_entry",
+]
 
 
-def _coordinator(trainer: pl.Trainer) -> ExactEvaluation | None:
+class LoopAgreements(Protocol):
+    """What the exact loops ask of the strategy's exact-evaluation coordinator."""
+
+    def on_loop_start(self, max_batches: Sequence[int | float]) -> None:
+        """Learn every rank's batch counts at the start of a loop."""
+
+    def any_rank_has_batches(self, dataloaders: Sequence[object]) -> bool:
+        """Whether any rank has a batch in ``dataloaders`` (this rank's shards), without communication."""
+
+    def dataloaders_with_batches(self, seen: dict[int, int], num_dataloaders: int) -> list[int]:
+        """Indices of the dataloaders in which at least one rank ran a batch."""
+
+    def agree_on_logged_keys(self, results: Any, trainer: Any) -> None:
+        """Make every rank hold the same logged entries, in the same order."""
+
+    def gather_predictions(self, results: Any, *, num_dataloaders: int) -> Any:
+        """Every rank's predictions in dataset order."""
+
+
+def _coordinator(trainer: pl.Trainer) -> LoopAgreements | None:
     return getattr(trainer.strategy, "exact_evaluation_coordinator", None)
 
 
@@ -46,7 +80,7 @@ def _zero_length_allowed(trainer: pl.Trainer) -> Iterator[None]:
         module.allow_zero_length_dataloader_with_multiple_devices = previous
 
 
-def _someone_has_batches(loop: _EvaluationLoop | _PredictionLoop) -> bool:
+def _someone_has_batches(loop: EvaluationLoop | PredictionLoop, coordinator: LoopAgreements) -> bool:
     """Whether any rank has a batch in this loop, decided identically on every rank without communication."""
     trainer = loop.trainer
     limit = {
@@ -58,14 +92,7 @@ def _someone_has_batches(loop: _EvaluationLoop | _PredictionLoop) -> bool:
     combined = loop._combined_loader
     if combined is None or limit == 0:
         return False
-    for dataloader in combined.flattened:
-        if isinstance(getattr(dataloader, "dataset", None), RankStridedIterable):
-            return True
-        shard = getattr(dataloader, "batch_sampler", None)
-        shard = getattr(shard, "_batch_sampler", shard)  # Lightning's predict index wrapper
-        if isinstance(shard, BatchShardSampler) and (shard.global_batches or 0) > 0:
-            return True
-    return False
+    return coordinator.any_rank_has_batches(list(combined.flattened))
 
 
 class _EmptyShardMixin:
@@ -81,11 +108,12 @@ class _EmptyShardMixin:
     def skip(self) -> bool:
         if not super().skip:  # type: ignore[misc]
             return False
-        return _coordinator(self.trainer) is None or not _someone_has_batches(self)  # type: ignore[arg-type]
+        coordinator = _coordinator(self.trainer)
+        return coordinator is None or not _someone_has_batches(self, coordinator)  # type: ignore[arg-type]
 
 
-class ExactEvaluationLoop(_EmptyShardMixin, _EvaluationLoop):
-    """``_EvaluationLoop`` that runs (with zero batches) on ranks whose shard is empty, and agrees on metrics."""
+class ExactEvaluationLoop(_EmptyShardMixin, EvaluationLoop):
+    """Lightning's evaluation loop, run (with no batch) on ranks whose shard is empty; agrees on metrics."""
 
     @override
     def _on_evaluation_start(self, *args: Any, **kwargs: Any) -> None:
@@ -128,8 +156,8 @@ class ExactEvaluationLoop(_EmptyShardMixin, _EvaluationLoop):
             coordinator.agree_on_logged_keys(self._results, self.trainer)
 
 
-class ExactPredictionLoop(_EmptyShardMixin, _PredictionLoop):
-    """``_PredictionLoop`` that runs on ranks with an empty shard and returns predictions in dataset order."""
+class ExactPredictionLoop(_EmptyShardMixin, PredictionLoop):
+    """Lightning's prediction loop that runs on ranks with an empty shard and returns predictions in dataset order."""
 
     @override
     def _on_predict_start(self) -> None:
@@ -147,7 +175,7 @@ class ExactPredictionLoop(_EmptyShardMixin, _PredictionLoop):
         return coordinator.gather_predictions(results, num_dataloaders=self.num_dataloaders)
 
 
-_SWAPS: tuple[tuple[type, type], ...] = ((_EvaluationLoop, ExactEvaluationLoop), (_PredictionLoop, ExactPredictionLoop))
+_SWAPS: tuple[tuple[type, type], ...] = ((EvaluationLoop, ExactEvaluationLoop), (PredictionLoop, ExactPredictionLoop))
 
 
 def install_exact_loops(trainer: pl.Trainer) -> list[str]:
@@ -174,3 +202,53 @@ def install_exact_loops(trainer: pl.Trainer) -> list[str]:
         else:
             custom.append(name)
     return custom
+
+
+# ---------------------------------------------------------------------------------------------- logged results
+def new_result_entry(
+    *,
+    fx: str,
+    name: str,
+    is_tensor: bool,
+    reduce_fx: Callable[..., Any],
+    sync_fn: Callable[..., Any],
+    sync: bool,
+    rank_zero_only: bool,
+    device: torch.device,
+    metric: Any | None = None,
+    **meta: Any,
+) -> Any:
+    """A Lightning logged-result entry as ``self.log`` would have created it on this rank, holding nothing.
+
+    Args:
+        fx: the hook that logged it (with the dataloader suffix).
+        name: the logged name.
+        is_tensor: a tensor value (``False``: the torchmetrics ``metric``).
+        reduce_fx: the reduction (``torch.mean``, ``torch.sum``, ``torch.max`` or ``torch.min``).
+        sync_fn: the function Lightning syncs logged tensors with (the strategy's ``reduce``).
+        sync: ``sync_dist`` was set.
+        rank_zero_only: ``rank_zero_only`` was set.
+        device: the device of the entry.
+        metric: the logged ``Metric`` object when ``is_tensor`` is ``False``.
+        **meta: the other ``self.log`` options (``prog_bar``, ``logger``, ``on_step``, ``on_epoch``,
+            ``enable_graph``, ``add_dataloader_idx``, ``dataloader_idx``, ``metric_attribute``).
+
+    """
+    metadata = _result._Metadata(fx=fx, name=name, reduce_fx=reduce_fx, **meta)
+    metadata.sync = _result._Sync(fn=sync_fn, _should=sync, rank_zero_only=rank_zero_only)
+    entry = _result._ResultMetric(metadata, is_tensor)
+    if not is_tensor:
+        entry.value = metric
+    entry.to(device)
+    return entry
+
+
+def mark_entry_current(entry: Any) -> None:
+    """Make a logged entry count as logged this epoch (so it is computed, and synced, like on the other ranks).
+
+    Any value cached from an earlier epoch is dropped, and torchmetrics' "compute before update" warning is
+    silenced for a rank whose shard was empty.
+    """
+    entry.has_reset = False
+    entry._computed = None
+    entry._update_count = max(entry._update_count, 1)

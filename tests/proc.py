@@ -98,7 +98,10 @@ def run_script(
     return Run(proc.returncode, output, seconds, timed_out, orphans, result)
 
 
-def run_scenario(name: str, tmp_path: Path, *extra: str, timeout: float = 120) -> Run:
+def run_scenario(
+    name: str, tmp_path: Path, *extra: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> Run:
     """Run ``tests/scripts/scenario.py NAME`` and return its outcome (``result`` is rank 0's JSON)."""
     out = tmp_path / f"{name}.json"
-    return run_script([str(SCRIPTS / "scenario.py"), name, "--out", str(out), *extra], timeout=timeout, out=out)
+    args = [str(SCRIPTS / "scenario.py"), name, "--out", str(out), *extra]
+    return run_script(args, timeout=timeout, out=out, env=env)

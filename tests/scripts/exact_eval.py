@@ -189,7 +189,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    out: dict[str, Any] = {"configs": cfgs, "world_size": trainer.world_size}
+    out: dict[str, Any] = {"configs": cfgs, "world_size": trainer.world_size, "trainer": type(trainer).__module__}
     stages = args.stages.split(",")
 
     def make() -> list[Any]:

@@ -20,30 +20,55 @@ are the same module objects, so ``except ddp_strategy.CollectiveMismatchError`` 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 #: Modules without Lightning in them: one copy, shared with ``ddp_strategy`` (``tests/test_seam.py`` checks that
-#: none of them reaches Lightning).
-SHARED_MODULES = (
-    "_compat",
-    "_compat.torch",
-    "checkpoint.atomic",
-    "checkpoint.format",
-    "checkpoint.keys",
-    "control",
-    "errors",
-    "fingerprint",
-    "peers",
-    "positions",
+#: none of them reaches Lightning and that each is a plain module, not a package).
+SHARED_MODULES = frozenset(
+    {
+        "_compat.torch",
+        "checkpoint.atomic",
+        "checkpoint.format",
+        "checkpoint.keys",
+        "control",
+        "errors",
+        "fingerprint",
+        "peers",
+        "positions",
+    }
 )
 
 if __name__ != "ddp_strategy.pytorch_lightning":  # the mirror's own subdirectory, seen through the mirror
     raise ImportError(f"{__name__} is not a module; import ddp_strategy.pytorch_lightning")
 
+
+class _SharedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``ddp_strategy.pytorch_lightning.<shared>`` to the module object ``ddp_strategy.<shared>``."""
+
+    prefix = f"{__name__}."
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname.startswith(self.prefix) and fullname[len(self.prefix) :] in SHARED_MODULES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(f"ddp_strategy.{spec.name[len(self.prefix) :]}")
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the shared module was executed once, as ``ddp_strategy.<name>``."""
+
+
 __path__ = [str(Path(__file__).resolve().parent.parent)]  # the submodules are ddp_strategy's own source files
-for _name in SHARED_MODULES:
-    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"ddp_strategy.{_name}")
+if not any(isinstance(finder, _SharedModuleFinder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _SharedModuleFinder())
 
 from .. import __version__  # noqa: E402
 from ._compat.lightning import StrategyRegistry  # noqa: E402

@@ -40,6 +40,7 @@ __all__ = [
     "dataloader_init_args",
     "destroy_default_process_group",
     "fabric",
+    "find_callback",
     "init_default_process_group",
     "move_data_to_device",
     "pl",
@@ -158,19 +159,27 @@ def training_dataloaders(trainer: Any) -> list[object]:
     return list(combined.flattened) if combined is not None else []
 
 
+def find_callback(trainer: Any, kind: type) -> Any | None:
+    """The first of the Trainer's callbacks that is a ``kind``, or ``None``."""
+    return next((callback for callback in trainer.callbacks if isinstance(callback, kind)), None)
+
+
 def add_callback(trainer: Any, callback: Any, *, first: bool = False, replace: type | None = None) -> None:
     """Add ``callback`` to the Trainer's callback list (first, so it runs before the others, when asked).
+
+    Lightning has no public way to add a callback after the Trainer was built; its ``callbacks`` list is edited in
+    place, as Lightning's own connectors do.
 
     Args:
         trainer: the Trainer.
         callback: the callback to add.
         first: insert it at the front of the list instead of the end.
-        replace: remove callbacks of this exact class first (a previous run's instance).
+        replace: remove callbacks that are instances of this class first (a previous run's instance).
 
     """
     callbacks: list[Any] = trainer.callbacks
     if replace is not None:
-        callbacks[:] = [c for c in callbacks if type(c) is not replace]
+        callbacks[:] = [c for c in callbacks if not isinstance(c, replace)]
     if first:
         callbacks.insert(0, callback)
     else:

@@ -51,7 +51,15 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
-from .._compat.lightning import Callback, pl, rank_zero_warn, training_dataloaders, uses_distributed_sampler
+from .._compat.lightning import (
+    Callback,
+    add_callback,
+    find_callback,
+    pl,
+    rank_zero_warn,
+    training_dataloaders,
+    uses_distributed_sampler,
+)
 from ..errors import ShardingError
 from ..fingerprint import fingerprint_tensors
 from ..positions import format_ranks
@@ -532,10 +540,9 @@ def ensure_sharding_check(trainer: pl.Trainer, on_duplicate: Literal["raise", "w
 
     Meant for strategies that enable the check by default (call it from ``Strategy.setup(trainer)``).
     """
-    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
-    for callback in callbacks:
-        if isinstance(callback, ShardingCheck):
-            return callback
+    existing: ShardingCheck | None = find_callback(trainer, ShardingCheck)
+    if existing is not None:
+        return existing
     check = ShardingCheck(on_duplicate=on_duplicate)
-    callbacks.append(check)
+    add_callback(trainer, check)
     return check

@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor, nn
 from typing_extensions import override
 
-from .._compat.lightning import Callback, TrainerFn, pl
+from .._compat.lightning import Callback, TrainerFn, add_callback, pl
 
 __all__ = ["SnapshotGate", "deferrable_tensors", "install_snapshot_gate", "optimizer_owned_addresses"]
 
@@ -96,11 +96,7 @@ class SnapshotGate(Callback):
 
 def install_snapshot_gate(trainer: pl.Trainer, wait: Callable[[], None]) -> SnapshotGate:
     """Insert a :class:`SnapshotGate` at the front of ``trainer.callbacks`` (once) and return it."""
-    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
-    for callback in callbacks:
-        if isinstance(callback, SnapshotGate):
-            callbacks.remove(callback)  # a previous fit's gate waits on a previous strategy's writer
-            break
     gate = SnapshotGate(wait)
-    callbacks.insert(0, gate)
+    # A previous fit's gate waits on a previous strategy's writer: replace it.
+    add_callback(trainer, gate, first=True, replace=SnapshotGate)
     return gate

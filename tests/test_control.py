@@ -1,16 +1,35 @@
-"""Monitored barrier logic, with several ranks simulated by threads sharing one in-memory store."""
+"""Monitored barrier and agreement logic, with several ranks simulated by threads sharing one in-memory store."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from ddp_strategy.control import ControlPlane, to_timedelta
-from ddp_strategy.errors import CollectiveMismatchError
+from ddp_strategy.checkpoint import protocol
+from ddp_strategy.checkpoint.io import SafeCheckpointIO
+from ddp_strategy.control import (
+    ControlPlane,
+    RankFailure,
+    also_failed,
+    failures,
+    first_failure,
+    from_rank,
+    to_timedelta,
+)
+from ddp_strategy.errors import (
+    CheckpointIntegrityError,
+    CheckpointWriteError,
+    CollectiveMismatchError,
+    DDPStrategyError,
+)
 
 
 def make_planes(world_size: int, timeout: float = 1.0, heartbeat: float = 0.1) -> list[ControlPlane]:
@@ -176,3 +195,323 @@ def test_unreachable_store_is_reported_as_rank0_gone():
     assert info.value.missing_ranks == (0,)
     assert isinstance(info.value.__cause__, RuntimeError)
     plane.close()
+
+
+# ---------------------------------------------------------------------------------------------------- agree
+class ThreadedObjects:
+    """``torch.distributed``'s object collectives for ranks simulated by threads (the control planes' group is None).
+
+    Every call is one round in which each rank's object is pickled (so what does not pickle fails here as it would
+    over gloo) and every rank receives all of them. ``calls[rank]`` counts the object collectives of each rank.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.sent: dict[tuple[int, int], bytes] = {}
+        self.calls = [0] * world_size
+        self.meeting = threading.Barrier(world_size, timeout=20)
+        self.local = threading.local()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
+        monkeypatch.setattr(dist, "gather_object", self.gather_object)
+        monkeypatch.setattr(dist, "broadcast_object_list", self.broadcast_object_list)
+
+    def _exchange(self, obj: object) -> list[object]:
+        rank = self.local.rank
+        round_ = self.calls[rank]
+        self.calls[rank] += 1
+        self.sent[(round_, rank)] = pickle.dumps(obj)
+        self.meeting.wait()
+        return [pickle.loads(self.sent[(round_, r)]) for r in range(self.world_size)]
+
+    def all_gather_object(self, out: list[object], obj: object, group: object = None) -> None:
+        out[:] = self._exchange(obj)
+
+    def gather_object(self, obj: object, out: list[object] | None = None, dst: int = 0, group: object = None) -> None:
+        everyone = self._exchange(obj)
+        if out is not None:
+            out[:] = everyone
+
+    def broadcast_object_list(self, box: list[object], src: int = 0, group: object = None) -> None:
+        box[0] = self._exchange(box[0])[src]
+
+
+def run_agreeing(
+    world_size: int, monkeypatch: pytest.MonkeyPatch, fn, timeout: float = 5.0
+) -> tuple[dict[int, BaseException | None], dict[int, object], ThreadedObjects, list[int]]:
+    """Run ``fn(plane)`` on ``world_size`` threaded ranks; return errors, results, the fake and barriers per rank."""
+    objects = ThreadedObjects(world_size)
+    objects.install(monkeypatch)
+    planes = make_planes(world_size, timeout=timeout)
+    results: dict[int, object] = {}
+
+    barriers = [0] * world_size
+
+    def target(plane: ControlPlane) -> None:
+        objects.local.rank = plane.rank
+        try:
+            results[plane.rank] = fn(plane)
+        finally:
+            barriers[plane.rank] = plane._seq
+
+    outcome = run_ranks(planes, target)
+    return outcome, results, objects, barriers
+
+
+def test_agree_every_rank_takes_the_same_decision(monkeypatch):
+    def fn(plane: ControlPlane) -> tuple[int, str]:
+        total = plane.agree("sum", plane.rank * 10, sum)
+        first = plane.agree("rank-zero", lambda: f"r{plane.rank}", from_rank(0))
+        return total, first
+
+    outcome, results, objects, barriers = run_agreeing(3, monkeypatch, fn)
+    assert outcome == {0: None, 1: None, 2: None}
+    assert results == {0: (30, "r0"), 1: (30, "r0"), 2: (30, "r0")}
+    assert objects.calls == [2, 2, 2] and barriers == [2, 2, 2]  # one barrier and one gather per agreement
+
+
+def test_agree_local_failure_raises_the_same_error_on_every_rank(monkeypatch):
+    decided = []
+
+    def local(rank: int) -> int:
+        if rank == 1:
+            raise ValueError("disk on fire")
+        return rank
+
+    def make_error(failed: list[RankFailure]) -> BaseException:
+        first = failed[0]
+        return CheckpointWriteError(f"Rank {first.rank} failed: {first}{also_failed(failed)}", path="p")
+
+    def fn(plane: ControlPlane) -> list[int]:
+        decide = first_failure(make_error)
+
+        def recorded(values):
+            decided.append(plane.rank)
+            return decide(values)
+
+        return plane.agree("outcome", lambda: local(plane.rank), recorded)
+
+    outcome, results, _, _ = run_agreeing(3, monkeypatch, fn)
+    assert sorted(decided) == [0, 1, 2]  # the failing rank took part: nobody waited for it
+    messages = {rank: str(err) for rank, err in outcome.items()}
+    assert set(messages.values()) == {"Rank 1 failed: ValueError: disk on fire"}
+    assert all(type(err) is CheckpointWriteError for err in outcome.values())
+    assert isinstance(outcome[1].__cause__, ValueError)  # the failing rank keeps its own traceback
+    assert outcome[0].__cause__ is None and outcome[2].__cause__ is None
+    assert results == {}
+
+
+def test_agree_names_every_failing_rank(monkeypatch):
+    def fn(plane: ControlPlane) -> int:
+        def local() -> int:
+            if plane.rank != 1:
+                raise OSError(f"no space on rank {plane.rank}")
+            return 1
+
+        return plane.agree("outcome", local, from_rank(1))
+
+    outcome, _, _, _ = run_agreeing(3, monkeypatch, fn)
+    texts = {str(err) for err in outcome.values()}
+    assert texts == {"Rank 0 failed: OSError: no space on rank 0 (rank(s) 0, 2 failed; the first failure is shown)"}
+    assert all(isinstance(err, DDPStrategyError) for err in outcome.values())
+
+
+def test_agree_decide_raising_raises_the_same_error_everywhere(monkeypatch):
+    def same_or_raise(values) -> str:
+        if len(set(values)) > 1:
+            raise CollectiveMismatchError(f"ranks disagree: {list(values)}", name="versions", missing_ranks=[])
+        return values[0]
+
+    outcome, _, _, _ = run_agreeing(2, monkeypatch, lambda p: p.agree("versions", f"v{p.rank}", same_or_raise))
+    assert [str(outcome[r]) for r in (0, 1)] == ["ranks disagree: ['v0', 'v1']"] * 2
+
+
+def test_agree_missing_rank_is_named_and_own_failure_kept(monkeypatch):
+    def fn(plane: ControlPlane) -> None:
+        if plane.rank == 0:
+            plane.agree("lonely", lambda: 1 / 0, sum, site="train.py:3 in main")
+        else:
+            time.sleep(1.5)
+
+    outcome, _, _, _ = run_agreeing(2, monkeypatch, fn, timeout=1.0)
+    err = outcome[0]
+    assert isinstance(err, CollectiveMismatchError) and err.name == "lonely" and err.missing_ranks == (1,)
+    chain = []
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert isinstance(chain[-1], ZeroDivisionError)  # this rank's own failure is kept at the end of the chain
+    assert outcome[1] is None
+
+
+def test_agree_on_a_single_rank():
+    (plane,) = make_planes(1)
+    assert plane.agree("solo", {"a": 1}, first_failure(lambda failed: RuntimeError("unused"))) == [{"a": 1}]
+    assert plane.agree("solo", lambda: "x", from_rank(0)) == "x"
+    with pytest.raises(DDPStrategyError, match=r"^Rank 0 failed: KeyError: 'k'$") as info:
+        plane.agree("solo", lambda: {}["k"], from_rank(0))
+    assert isinstance(info.value.__cause__, KeyError)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # not a value: the rank stops at once
+        plane.agree("solo", interrupted, from_rank(0))
+    plane.close()
+
+
+def test_rank_failure_travels_without_its_exception():
+    ours = RankFailure.of(3, CheckpointWriteError("Saving checkpoint 'p' failed: disk full", path="p"))
+    assert ours.message == "Saving checkpoint 'p' failed: disk full" and ours.type_name == "CheckpointWriteError"
+    other = RankFailure.of(2, OSError(28, "No space left on device"))
+    assert other.message == "OSError: [Errno 28] No space left on device"
+    copy = pickle.loads(pickle.dumps(ours))
+    assert copy == ours and copy.exception is None and isinstance(ours.exception, CheckpointWriteError)
+    assert failures([1, copy, None, other]) == [copy, other]
+
+
+# ------------------------------------------------------------------------- the checkpoint protocol on agree
+def _checkpoint(path: Path, step: int) -> Path:
+    SafeCheckpointIO().save_checkpoint({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, path)
+    return path
+
+
+def _save(plane: ControlPlane, write, *, writers=(0,), path="/ckpt/epoch=1.ckpt") -> None:
+    protocol.save(
+        control=plane,
+        write=write,
+        checkpoint={"global_step": 3},
+        path=path,
+        is_writer=plane.rank in writers,
+        every_writer_needs_states=len(writers) > 1,
+    )
+
+
+def test_save_outcome_is_one_agreement(monkeypatch):
+    written = []
+    outcome, _, objects, barriers = run_agreeing(2, monkeypatch, lambda p: _save(p, written.append))
+    assert outcome == {0: None, 1: None}
+    assert len(written) == 1 and len(written[0]["ddp_strategy"]["rng_states"]) == 2
+    assert objects.calls == [2, 2] and barriers == [2, 2]  # the RNG gather and the outcome
+
+
+def test_failed_save_raises_on_every_rank_with_the_writers_message(monkeypatch):
+    def write(_: dict) -> None:
+        raise CheckpointWriteError("Saving checkpoint '/ckpt/epoch=1.ckpt' failed: File too large", path="x")
+
+    outcome, _, objects, barriers = run_agreeing(2, monkeypatch, lambda p: _save(p, write))
+    assert str(outcome[0]) == "Saving checkpoint '/ckpt/epoch=1.ckpt' failed: File too large"
+    assert str(outcome[1]) == (
+        "Rank 0 failed to write checkpoint '/ckpt/epoch=1.ckpt': Saving checkpoint '/ckpt/epoch=1.ckpt' failed: "
+        "File too large"
+    )
+    assert all(type(err) is CheckpointWriteError and err.path == "/ckpt/epoch=1.ckpt" for err in outcome.values())
+    assert objects.calls == [2, 2] and barriers == [2, 2]
+
+
+def test_unexpected_save_error_is_re_raised_on_its_writer_and_reported_to_the_others(monkeypatch):
+    boom = ValueError("boom")
+
+    def write(_: dict) -> None:
+        raise boom
+
+    outcome, _, objects, _ = run_agreeing(2, monkeypatch, lambda p: _save(p, write))
+    assert outcome[0] is boom
+    assert type(outcome[1]) is CheckpointWriteError
+    assert str(outcome[1]) == "Rank 0 failed to write checkpoint '/ckpt/epoch=1.ckpt': ValueError: boom"
+    assert objects.calls == [2, 2]
+
+
+def test_failed_saves_of_several_writers_name_them_all(monkeypatch):
+    def fn(plane: ControlPlane) -> None:
+        def write(_: dict) -> None:
+            raise CheckpointWriteError(f"disk {plane.rank} full", path="x")
+
+        _save(plane, write, writers=(0, 2))
+
+    outcome, _, _, _ = run_agreeing(3, monkeypatch, fn)
+    note = " (rank(s) 0, 2 failed; the first failure is shown)"
+    assert str(outcome[0]) == "disk 0 full" + note
+    for rank in (1, 2):
+        assert str(outcome[rank]) == "Rank 0 failed to write checkpoint '/ckpt/epoch=1.ckpt': disk 0 full" + note
+
+
+def _load(plane: ControlPlane, path: Path):
+    def read(where: str) -> dict:
+        return SafeCheckpointIO().load_checkpoint(where)
+
+    chosen, checkpoint = protocol.load(control=plane, read=read, path=str(path))
+    return os.path.basename(chosen), checkpoint["global_step"]
+
+
+def test_load_agrees_in_one_round(monkeypatch, tmp_path):
+    path = _checkpoint(tmp_path / "epoch=1.ckpt", 4)
+    outcome, results, objects, barriers = run_agreeing(2, monkeypatch, lambda p: _load(p, path))
+    assert outcome == {0: None, 1: None}
+    assert results == {0: ("epoch=1.ckpt", 4), 1: ("epoch=1.ckpt", 4)}
+    assert objects.calls == [1, 1] and barriers == [1, 1]
+
+
+def test_load_of_a_missing_checkpoint_raises_the_same_error_everywhere(monkeypatch, tmp_path):
+    outcome, _, objects, _ = run_agreeing(2, monkeypatch, lambda p: _load(p, tmp_path / "nope.ckpt"))
+    assert all(type(err) is FileNotFoundError for err in outcome.values())
+    assert str(outcome[0]) == str(outcome[1])
+    assert "nope.ckpt" in str(outcome[0]) and "(checked by rank 0)" in str(outcome[0])
+    assert objects.calls == [1, 1]
+
+
+def test_load_of_a_damaged_checkpoint_raises_the_same_error_everywhere(monkeypatch, tmp_path):
+    path = _checkpoint(tmp_path / "epoch=1.ckpt", 4)
+    path.write_bytes(path.read_bytes()[:-7])
+    outcome, _, _, _ = run_agreeing(2, monkeypatch, lambda p: _load(p, path))
+    assert all(type(err) is CheckpointIntegrityError and err.path == str(path) for err in outcome.values())
+    assert str(outcome[0]) == str(outcome[1])
+
+
+def test_load_falls_back_on_every_rank(monkeypatch, tmp_path):
+    _checkpoint(tmp_path / "epoch=0-step=2.ckpt", 2)
+    last = _checkpoint(tmp_path / "last.ckpt", 4)
+    last.write_bytes(last.read_bytes()[:-7])
+    outcome, results, objects, _ = run_agreeing(2, monkeypatch, lambda p: _load(p, last))
+    assert outcome == {0: None, 1: None}
+    assert results == {0: ("epoch=0-step=2.ckpt", 2), 1: ("epoch=0-step=2.ckpt", 2)}
+    assert objects.calls == [2, 2]  # the decision, then who can read the fallback
+
+
+def test_load_sends_the_file_to_a_rank_that_cannot_read_it(monkeypatch, tmp_path):
+    path = _checkpoint(tmp_path / "epoch=1.ckpt", 4)
+    seen_by = threading.local()
+    readable = protocol._readable
+    monkeypatch.setattr(protocol, "_readable", lambda where: seen_by.rank == 0 and readable(where))
+
+    def fn(plane: ControlPlane):
+        seen_by.rank = plane.rank
+        return _load(plane, path)
+
+    outcome, results, objects, _ = run_agreeing(2, monkeypatch, fn)
+    assert outcome == {0: None, 1: None}
+    assert results == {0: ("epoch=1.ckpt", 4), 1: ("epoch=1.ckpt", 4)}
+    assert objects.calls == [2, 2]  # the decision, then the transfer
+
+
+def test_unexpected_check_failure_stops_every_rank(monkeypatch, tmp_path):
+    path = _checkpoint(tmp_path / "epoch=1.ckpt", 4)
+    seen_by = threading.local()
+    readable = protocol._readable
+
+    def check(where: str) -> bool:
+        if seen_by.rank == 1:
+            raise PermissionError("no access to the mount")
+        return readable(where)
+
+    monkeypatch.setattr(protocol, "_readable", check)
+
+    def fn(plane: ControlPlane):
+        seen_by.rank = plane.rank
+        return _load(plane, path)
+
+    outcome, _, _, _ = run_agreeing(2, monkeypatch, fn)
+    assert type(outcome[0]) is CheckpointIntegrityError
+    assert str(outcome[0]) == f"Rank 1 could not check checkpoint '{path}': PermissionError: no access to the mount"
+    assert type(outcome[1]) is PermissionError  # re-raised as is on the rank it happened on

@@ -231,10 +231,10 @@ def test_rank_that_exited_is_reported_gone(tmp_path):
 @pytest.mark.timeout(120)
 def test_killed_rank0_is_named_by_the_surviving_rank(tmp_path):
     run, _ = run_hang("sigkill_rank0", tmp_path)
-    assert "HangWatchdog (rank 1): after RuntimeError, the rendezvous store is unreachable" in run.output, (
-        run.describe()
-    )
-    assert "rank 0, which hosts it, has most likely died or exited" in run.output
+    assert "ddp_strategy: rank 1 stops after RuntimeError: " in run.output, run.describe()
+    assert ", and the rendezvous store is unreachable (" in run.output
+    assert "rank 0 (or, under torchrun, node 0's agent), which hosts it, has most likely died or exited" in run.output
+    assert run.output.count("ddp_strategy: rank 1 stops after") == 1  # the watchdog and the strategy share it
 
 
 @pytest.mark.multiprocess
@@ -242,5 +242,7 @@ def test_killed_rank0_is_named_by_the_surviving_rank(tmp_path):
 def test_rank_that_exited_mid_training_is_named_after_the_backend_error(tmp_path):
     run, _ = run_hang("exit_rank1_mid_training", tmp_path)
     assert "[rank0]: RuntimeError: [" in run.output and "gloo" in run.output, run.describe()  # an address, no rank
-    assert "HangWatchdog (rank 0): RuntimeError on this rank, and rank 1 stopped sending heartbeats" in run.output
-    assert "it died or exited. Last seen:\n  rank 1: " in run.output
+    assert "ddp_strategy: rank 0 stops after RuntimeError: " in run.output
+    assert "Rank(s) 1 stopped sending heartbeats" in run.output
+    assert "or exited early. Last seen:\n  rank 1: " in run.output
+    assert run.output.count("stopped sending heartbeats") == 1  # the watchdog and the strategy share one diagnosis

@@ -20,20 +20,34 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch.distributed as dist
 
 from ._compat.torch import default_store, new_store_connection
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, DDPStrategyError
 from .positions import Position, call_site, format_ranks
 
-__all__ = ["ControlPlane", "Store", "to_timedelta"]
+if TYPE_CHECKING:
+    from .peers import PeerDiagnosis
+
+__all__ = [
+    "ControlPlane",
+    "RankFailure",
+    "Store",
+    "also_failed",
+    "failures",
+    "first_failure",
+    "from_rank",
+    "to_timedelta",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _POSITION_KEY = "pos/{rank}"
 _ARRIVAL_KEY = "barrier/{seq}/{rank}"
@@ -78,6 +92,124 @@ def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:
     if delta.total_seconds() <= 0:
         raise ValueError(f"`{name}` must be positive, got {value!r}.")
     return delta
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank's local step of :meth:`ControlPlane.agree` raised, as every rank receives it.
+
+    Exceptions themselves do not travel between ranks (many do not unpickle: keyword-only constructor arguments,
+    unpicklable attributes); their class name and text do. On the rank that raised it, :attr:`exception` is the
+    exception itself, for chaining or re-raising; it is ``None`` on the other ranks and is never pickled.
+
+    Attributes:
+        rank: the global rank whose local step raised.
+        type_name: the exception's class name, e.g. ``"OSError"``.
+        message: the text to show: an error of this package as is (it names its own cause), any other exception as
+            ``"TypeName: text"``.
+        exception: the exception itself on the rank that raised it, else ``None``.
+
+    """
+
+    rank: int
+    type_name: str
+    message: str
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, rank: int, exception: BaseException) -> RankFailure:
+        """Describe ``exception``, raised by the local step of ``rank``."""
+        text = str(exception) if isinstance(exception, DDPStrategyError) else f"{type(exception).__name__}: {exception}"
+        return cls(rank=rank, type_name=type(exception).__name__, message=text, exception=exception)
+
+    def __reduce__(self) -> tuple[type[RankFailure], tuple[int, str, str]]:
+        return (RankFailure, (self.rank, self.type_name, self.message))  # without the local exception
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def failures(values: Sequence[object]) -> list[RankFailure]:
+    """The :class:`RankFailure` entries among the values :meth:`ControlPlane.agree` gathered, lowest rank first."""
+    return [value for value in values if isinstance(value, RankFailure)]
+
+
+def also_failed(failed: Sequence[RankFailure]) -> str:
+    """A sentence naming every failing rank when more than one failed (for messages that show the first), else ``""``.
+
+    Example:
+        >>> also_failed([RankFailure(0, "OSError", "a"), RankFailure(2, "OSError", "b")])
+        ' (rank(s) 0, 2 failed; the first failure is shown)'
+
+    """
+    if len(failed) < 2:
+        return ""
+    return f" (rank(s) {format_ranks([f.rank for f in failed])} failed; the first failure is shown)"
+
+
+def first_failure(
+    make_error: Callable[[list[RankFailure]], BaseException],
+) -> Callable[[Sequence[T | RankFailure]], list[T]]:
+    """A decision for :meth:`ControlPlane.agree`: when any rank failed, every rank raises the same error.
+
+    Args:
+        make_error: builds the error from every failure, lowest rank first (``failed[0]`` is the one to report;
+            :func:`also_failed` names the others). It runs on every rank with the same failures; it may phrase the
+            message relative to the calling rank, or return a failing rank's own :attr:`RankFailure.exception` to
+            re-raise it there.
+
+    Returns:
+        The decision: the values of every rank (none failed), else raises ``make_error(failures)``.
+
+    """
+
+    def decide(values: Sequence[T | RankFailure]) -> list[T]:
+        failed = failures(values)
+        if failed:
+            raise make_error(failed)
+        return [value for value in values if not isinstance(value, RankFailure)]
+
+    return decide
+
+
+def from_rank(
+    src: int = 0, make_error: Callable[[list[RankFailure]], BaseException] | None = None
+) -> Callable[[Sequence[T | RankFailure]], T]:
+    """A decision for :meth:`ControlPlane.agree`: every rank takes rank ``src``'s value (a checked broadcast).
+
+    Meant for small values; send a large payload with :meth:`ControlPlane.broadcast_object`.
+
+    Args:
+        src: the rank whose value every rank takes.
+        make_error: the error every rank raises when some rank's local step failed (as for :func:`first_failure`);
+            by default a :class:`~ddp_strategy.errors.DDPStrategyError` naming the first failing rank.
+
+    Returns:
+        The decision.
+
+    """
+
+    def default_error(failed: list[RankFailure]) -> BaseException:
+        first = failed[0]
+        return DDPStrategyError(f"Rank {first.rank} failed: {first.message}{also_failed(failed)}")
+
+    every = first_failure(make_error if make_error is not None else default_error)
+
+    def decide(values: Sequence[T | RankFailure]) -> T:
+        return every(values)[src]
+
+    return decide
+
+
+def _chain_last(err: BaseException, first: BaseException) -> None:
+    """Make ``first`` the context of the innermost exception of ``err``'s chain, so tracebacks show both."""
+    seen = {id(err)}
+    tail = err
+    while (inner := tail.__cause__ or tail.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        tail = inner
+    if first is not tail and id(first) not in seen:
+        tail.__context__ = first
 
 
 class ControlPlane:
@@ -126,6 +258,9 @@ class ControlPlane:
         # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
         self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
+        #: ``(exception, diagnosis)`` of this rank's failure, kept by :func:`~ddp_strategy.peers.diagnose_failed_peers`
+        #: so that the strategy and the HangWatchdog share one diagnosis (one wait, one message).
+        self.failure_diagnosis: tuple[BaseException, PeerDiagnosis | None] | None = None
         self._publish(self._position)
         if world_size > 1 and heartbeat_interval > 0:
             self._heartbeat = threading.Thread(
@@ -310,6 +445,80 @@ class ControlPlane:
         self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
         dist.broadcast_object_list(box, src=src, group=self._group)
         return box[0]  # type: ignore[no-any-return]
+
+    @overload
+    def agree(
+        self,
+        name: str,
+        local: Callable[[], T],
+        decide: Callable[[Sequence[T | RankFailure]], R],
+        *,
+        site: str | None = None,
+    ) -> R: ...
+
+    @overload
+    def agree(
+        self, name: str, local: T, decide: Callable[[Sequence[T | RankFailure]], R], *, site: str | None = None
+    ) -> R: ...
+
+    def agree(
+        self,
+        name: str,
+        local: T | Callable[[], T],
+        decide: Callable[[Sequence[T | RankFailure]], R],
+        *,
+        site: str | None = None,
+    ) -> R:
+        """Make every rank take the same decision on one small value per rank, or raise the same error.
+
+        The model is PyTorch DCP's ``_DistWrapper.all_reduce``: each rank computes its value, a failure included
+        (so a rank that fails locally still takes part and nobody waits for it), the values are gathered on every
+        rank (behind a monitored barrier, which names a rank that never comes), and ``decide`` turns them into the
+        result on every rank. As every rank runs ``decide`` on the same values, every rank returns the same result
+        or raises the same error. On a rank whose own step failed, that error is chained to its exception.
+
+        Args:
+            name: the name of the agreement, for barriers and errors; every rank must use the same.
+            local: this rank's value (small and picklable), or a function without arguments computing it: an
+                ``Exception`` it raises becomes this rank's value, as a :class:`RankFailure` (``KeyboardInterrupt``
+                and ``SystemExit`` propagate at once). To agree on a value that is itself callable, pass a
+                function returning it.
+            decide: computes the result from the values, indexed by rank, or raises. It must depend only on the
+                values (it may phrase a message relative to :attr:`rank`); :func:`first_failure` and
+                :func:`from_rank` are the common decisions.
+            site: the call site to report; found from the stack when not given.
+
+        Returns:
+            What ``decide`` returned, the same on every rank.
+
+        Raises:
+            CollectiveMismatchError: some rank did not reach the agreement in time, or reached another one.
+            Exception: whatever ``decide`` raised, on every rank.
+
+        """
+        site = call_site(skip=2) if site is None else site
+        mine: T | RankFailure
+        if callable(local):
+            try:
+                mine = local()
+            except Exception as err:  # a value like any other: the other ranks learn it instead of waiting
+                mine = RankFailure.of(self.rank, err)
+        else:
+            mine = local
+        own = mine.exception if isinstance(mine, RankFailure) else None
+        try:
+            values = self.all_gather_object(mine, name, site=site)
+        except BaseException as err:
+            if own is not None:  # shown with the barrier's error: this rank had failed too
+                _chain_last(err, own)
+            raise
+        values[self.rank] = mine  # this rank's own entry keeps its exception (only its text travelled)
+        try:
+            return decide(values)
+        except BaseException as err:
+            if own is None or err is own or err.__cause__ is not None:
+                raise
+            raise err from own
 
     def _wait_all(self, keys: list[str], name: str, site: str, seq: int, entered: float) -> None:
         """Wait for every arrival key; fail early when a missing rank has published a failure."""

@@ -1,13 +1,84 @@
-"""Name the other ranks behind an error that names none (a dead peer seen by the backend as a closed socket)."""
+"""Name the other ranks behind an error that names none (a dead peer seen by the backend as a closed socket).
+
+One diagnosis per failure per rank: ``SafeDDPStrategy.on_exception`` and ``HangWatchdog.on_exception`` both ask
+:func:`diagnose_failed_peers` (Lightning calls the callback first). The first call reads the peers' positions,
+waits for their heartbeats and logs the message; a later call for the same exception returns the same diagnosis
+without reading or waiting again.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from .control import ControlPlane
-from .positions import Position
+from .errors import DDPStrategyError
+from .positions import Position, format_ranks
 
-__all__ = ["describe_failed_peers"]
+__all__ = ["PeerDiagnosis", "diagnose_failed_peers"]
+
+log = logging.getLogger(__name__)
+
+_MAX_LISTED = 8  # gone ranks listed with their last position; the others are counted
+
+
+@dataclass(frozen=True)
+class PeerDiagnosis:
+    """What this rank's peers were doing when it stopped with an error that names none of them.
+
+    Exactly one of ``failed``, ``gone`` and ``store_error`` is set.
+
+    Attributes:
+        rank: this rank.
+        cause: the first line of this rank's error (``"RuntimeError: ..."``, at most 200 characters).
+        failed: peers that had already published a failure: the first failure was theirs.
+        gone: peers whose heartbeat did not move during the wait, or that never published a position.
+        positions: every rank's position at the last read of the store (empty when it is unreachable).
+        seen_at: when that read was (``time.time()``), for the ages in :attr:`message`.
+        store_error: why the rendezvous store could not be read (its host, rank 0, is gone).
+
+    """
+
+    rank: int
+    cause: str
+    failed: tuple[int, ...] = ()
+    gone: tuple[int, ...] = ()
+    positions: Mapping[int, Position | None] = field(default_factory=dict, hash=False)
+    seen_at: float = 0.0
+    store_error: str | None = None
+
+    @property
+    def message(self) -> str:
+        """The message for the log, starting ``ddp_strategy: rank R stops after <error>``."""
+        head = f"ddp_strategy: rank {self.rank} stops after {self.cause}"
+        if self.store_error is not None:
+            return (
+                f"{head}, and the rendezvous store is unreachable ({self.store_error}): rank 0 (or, under torchrun, "
+                "node 0's agent), which hosts it, has most likely died or exited. Look at its output (or its exit "
+                "signal) for the cause."
+            )
+        if self.failed:
+            names = "; ".join(f"rank {r} {self._last_seen(r)}" for r in self.failed)
+            return (
+                f"{head}. The first failure was on another rank: {names}. Look at that rank's own error for the cause."
+            )
+        lines = [
+            f"{head}. Rank(s) {format_ranks(self.gone)} stopped sending heartbeats: killed (SIGKILL, out-of-memory "
+            "killer), crashed without a Python error, or exited early. Last seen:"
+        ]
+        lines.extend(f"  rank {r}: {self._last_seen(r)}" for r in self.gone[:_MAX_LISTED])
+        if len(self.gone) > _MAX_LISTED:
+            lines.append(f"  ... and {len(self.gone) - _MAX_LISTED} more")
+        return "\n".join(lines)
+
+    def _last_seen(self, rank: int) -> str:
+        position = self.positions.get(rank)
+        return "never published a position" if position is None else position.describe(self.seen_at)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _moved(before: Position | None, after: Position | None) -> bool:
@@ -17,60 +88,64 @@ def _moved(before: Position | None, after: Position | None) -> bool:
     return after.kind == "failed" or before is None or after.heartbeat > before.heartbeat
 
 
-def describe_failed_peers(control: ControlPlane, rank: int, exception: BaseException) -> str | None:
-    """Which other ranks failed first or are gone, after an error on ``rank`` that names no rank.
+def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> PeerDiagnosis | None:
+    """Which other ranks failed first or are gone, after an error on this rank that names no rank; logged once.
 
     A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address.
-    Peers that published a failure are named at once; peers whose heartbeat does not move within
-    ``max(1 s, 3 heartbeat intervals)`` are named as gone.
+    Peers that published a failure are named at once; otherwise this rank publishes its own failure (so peers
+    waiting for it stop now) and waits up to ``max(1 s, 3 heartbeat intervals)`` for the other peers' heartbeats
+    to move; the ones whose heartbeat does not are named as gone. When the store cannot be read, its host (rank 0)
+    is named.
+
+    The first call for ``exception`` does this and logs the message at ERROR level; later calls for the same
+    exception return the same diagnosis at once (the result is kept on ``control``). Errors of this package
+    (:class:`~ddp_strategy.errors.DDPStrategyError`) already name the ranks involved and get no diagnosis.
 
     Args:
         control: this rank's control plane.
-        rank: this rank's global rank.
         exception: the error this rank stops with.
 
     Returns:
-        A message for the log, or ``None`` when every peer is alive (or there are none).
+        The diagnosis, or ``None`` when every peer is alive (or there are none).
 
     """
-    if control.world_size < 2:
-        return None
+    memo = control.failure_diagnosis
+    if memo is not None and memo[0] is exception:
+        return memo[1]
+    diagnosis = (
+        None if control.world_size < 2 or isinstance(exception, DDPStrategyError) else _diagnose(control, exception)
+    )
+    control.failure_diagnosis = (exception, diagnosis)
+    if diagnosis is not None:
+        log.error(diagnosis.message)
+    return diagnosis
+
+
+def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis | None:
+    rank = control.rank
     cause = f"{type(exception).__name__}: {exception}".splitlines()[0][:200]
     try:
         first = control.read_positions()
-        failed = {r: p for r, p in first.items() if r != rank and p is not None and p.kind == "failed"}
+        seen_at = time.time()
+        failed = tuple(r for r, p in sorted(first.items()) if r != rank and p is not None and p.kind == "failed")
         if failed:
-            names = "; ".join(f"rank {r} {p.describe()}" for r, p in sorted(failed.items()))
-            return (
-                f"ddp_strategy: rank {rank} stops after {cause}. The first failure was on another rank: {names}. "
-                "Look at that rank's own error for the cause."
-            )
-        pending = {r for r, p in first.items() if r != rank and p is not None}
+            return PeerDiagnosis(rank, cause, failed=failed, positions=first, seen_at=seen_at)
         latest = first
+        pending = {r for r, p in first.items() if r != rank and p is not None}
         if control.heartbeat_interval > 0:
+            if control.position.kind != "failed":  # a HangWatchdog asks before the strategy publishes it
+                control.note_failure(exception)
             deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval)
             while pending and time.monotonic() < deadline:
                 time.sleep(min(0.1, control.heartbeat_interval / 2))
                 latest = control.read_positions()
+                seen_at = time.time()
                 pending = {r for r in pending if not _moved(first[r], latest[r])}
-        else:
+        else:  # no heartbeats to watch: only ranks that never published a position are known to be gone
             pending = set()
     except Exception as err:  # the store is gone with the process that hosts it
-        return (
-            f"ddp_strategy: rank {rank} stops after {cause}, and the rendezvous store is unreachable ({err}): rank 0 "
-            "(or, under torchrun, node 0's agent), which hosts it, has most likely died or exited. Look at its output "
-            "(or its exit signal) for the cause."
-        )
-    gone = sorted(pending | {r for r, p in first.items() if p is None and r != rank})
+        return PeerDiagnosis(rank, cause, store_error=str(err))
+    gone = tuple(sorted(pending | {r for r, p in first.items() if p is None and r != rank}))
     if not gone:
         return None
-    seen = "; ".join(
-        f"rank {r}: "
-        + (latest_position.describe() if (latest_position := latest[r]) is not None else "never published a position")
-        for r in gone
-    )
-    return (
-        f"ddp_strategy: rank {rank} stops after {cause}. Rank(s) {', '.join(map(str, gone))} stopped sending "
-        f"heartbeats: killed (SIGKILL, out-of-memory killer), crashed without a Python error, or exited early. "
-        f"Last seen: {seen}."
-    )
+    return PeerDiagnosis(rank, cause, gone=gone, positions=latest, seen_at=seen_at)

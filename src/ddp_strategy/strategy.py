@@ -34,8 +34,8 @@ from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import PACKAGE_KEY
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
-from .control import ControlPlane, to_timedelta
-from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError
+from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
+from .errors import CheckpointMismatchError, CheckpointWriteError
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
 from .handshake import (
     RankFacts,
@@ -46,7 +46,7 @@ from .handshake import (
     seed_summary,
     train_sampler_seeds,
 )
-from .peers import describe_failed_peers
+from .peers import diagnose_failed_peers
 from .positions import call_site
 from .sampling import skip_consumed_batches
 
@@ -215,7 +215,7 @@ class SafeDDPStrategy(DDPStrategy):
         control = self._control
         if control is None:
             return mine
-        agreed: str | None = control.broadcast_object(mine, name="resume-path")
+        agreed = control.agree("resume-path", mine, from_rank(0))
         if mine != agreed:
             log.warning(
                 "ddp_strategy: rank %d resolved the checkpoint to resume as %r; using rank 0's %r so that every "
@@ -293,10 +293,7 @@ class SafeDDPStrategy(DDPStrategy):
         self._failed = True
         if self._control is not None:
             self._control.note_failure(exception)
-            if not isinstance(exception, DDPStrategyError):  # ours already name the ranks involved
-                message = describe_failed_peers(self._control, self.global_rank, exception)
-                if message is not None:
-                    log.error(message)
+            diagnose_failed_peers(self._control, exception)  # logs it, unless a HangWatchdog's on_exception did
         super().on_exception(exception)
 
     @override
@@ -466,26 +463,36 @@ class SafeDDPStrategy(DDPStrategy):
         """Wait for the last asynchronous write of every writer and make every rank agree on its outcome."""
         if not self.async_save:
             return
-        error = self._writer.wait() if self._writer is not None else None
-        if self._writer is not None:
-            self.overlapped_saves += self._writer.overlapped_submissions
-        self._writer = None
-        if self._control is None or self._failed:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self.overlapped_saves += writer.overlapped_submissions
+
+        def last_write() -> None:
+            error = writer.wait() if writer is not None else None
             if error is not None:
+                raise CheckpointWriteError(error, path="")
+
+        def last_write_error(failed: list[RankFailure]) -> BaseException:
+            first = failed[0]
+            return CheckpointWriteError(
+                f"The last asynchronous checkpoint write of rank {first.rank} failed: {first.message}"
+                f"{also_failed(failed)}",
+                path="",
+            )
+
+        if self._control is None or self._failed:
+            try:
+                last_write()
+            except CheckpointWriteError as err:
                 log.warning(
-                    "ddp_strategy: the last asynchronous checkpoint write of rank %d failed: %s",
-                    self.global_rank,
-                    error,
+                    "ddp_strategy: the last asynchronous checkpoint write of rank %d failed: %s", self.global_rank, err
                 )
             return
-        outcomes = self._control.all_gather_object(error, name="checkpoint-async-final")
-        failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
-        if failed:
+        try:
+            self._control.agree("checkpoint-async-final", last_write, first_failure(last_write_error))
+        except CheckpointWriteError:
             self._failed = True
-            rank, message = failed[0]
-            raise CheckpointWriteError(
-                f"The last asynchronous checkpoint write of rank {rank} failed: {message}", path=""
-            )
+            raise
 
     @override
     def load_checkpoint(self, checkpoint_path: CheckpointPath, weights_only: bool | None = None) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -31,6 +30,7 @@ from typing_extensions import override
 
 from .._compat.lightning import Callback, pl, rank_zero_warn
 from ..control import ControlPlane, Store, to_timedelta
+from ..peers import diagnose_failed_peers
 from ..positions import LIBRARY_MARKERS, Position, format_ranks
 
 __all__ = ["HANG_EXIT_CODE", "HangWatchdog"]
@@ -259,7 +259,8 @@ class HangWatchdog(Callback):
     summarising rank's host (frozen without running Python) is killed.
 
     When the training thread fails with an exception instead (gloo notices a dead peer at once), the callback
-    names peers whose heartbeat has stopped, since the backend's error names only an address.
+    names peers that failed first or whose heartbeat has stopped, since the backend's error names only an address
+    (:func:`~ddp_strategy.peers.diagnose_failed_peers`, shared with ``SafeDDPStrategy``: one message per failure).
 
     Without ``SafeDDPStrategy`` (or with one process) the watchdog still dumps this rank's stacks and exits.
 
@@ -378,8 +379,10 @@ class HangWatchdog(Callback):
             time.sleep(2 * self.grace_period + 5.0)
         armed = self._thread is not None
         self._disarm()
-        if armed:
-            self.explain_failure(exception)
+        if armed and self._control is not None:
+            # The backend's error names an address, not a rank: name the peers that failed or are gone. Shared
+            # with SafeDDPStrategy.on_exception (called after this): one wait and one message per failure.
+            diagnose_failed_peers(self._control, exception)
 
     def _disarm(self) -> None:
         self._stop.set()
@@ -702,58 +705,3 @@ class HangWatchdog(Callback):
     def _emit(text: str) -> None:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-
-    # ------------------------------------------------------------------ failures
-    def explain_failure(self, exception: BaseException) -> None:
-        """After an exception on this rank, name peers that are gone (their heartbeat stopped).
-
-        A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address,
-        not a rank. This waits at most ``max(1 s, 3 heartbeat intervals)`` for every peer's heartbeat to move and
-        prints the ranks whose heartbeat did not, with the last position each published. Prints nothing when every
-        peer is alive.
-        """
-        control, store = self._control, self._store
-        if control is None or store is None or control.heartbeat_interval <= 0:
-            return
-        try:
-            first = control.read_positions(store)
-            stale_after = max(1.0, 3 * control.heartbeat_interval)
-            pending = {r for r, p in first.items() if r != self._rank and p is not None and p.kind != "failed"}
-            deadline = time.monotonic() + stale_after
-            latest = first
-            while pending and time.monotonic() < deadline:
-                time.sleep(min(0.1, control.heartbeat_interval / 2))
-                latest = control.read_positions(store)
-                pending -= {r for r in pending if _moved(first[r], latest[r])}
-        except Exception as err:
-            self._emit(
-                f"HangWatchdog (rank {self._rank}): after {type(exception).__name__}, the rendezvous store is "
-                f"unreachable ({err}): rank 0, which hosts it, has most likely died or exited. Look at rank 0's "
-                "output (or its exit signal) for the cause."
-            )
-            return
-        gone = sorted(pending | {r for r, p in first.items() if p is None and r != self._rank})
-        if gone:
-            now = time.time()
-            lines = [
-                f"HangWatchdog (rank {self._rank}): {type(exception).__name__} on this rank, and rank "
-                f"{format_ranks(gone)} stopped sending heartbeats: it died or exited. Last seen:"
-            ]
-            lines.extend(_last_seen(gone, latest, now))
-            self._emit("\n".join(lines))
-
-
-def _moved(before: Position | None, after: Position | None) -> bool:
-    if after is None:
-        return False
-    return after.kind == "failed" or before is None or after.heartbeat > before.heartbeat
-
-
-def _last_seen(ranks: Iterable[int], positions: dict[int, Position | None], now: float) -> list[str]:
-    lines = []
-    for rank in ranks:
-        position = positions.get(rank)
-        lines.append(
-            f"  rank {rank}: " + ("never published a position" if position is None else position.describe(now))
-        )
-    return lines

@@ -4,14 +4,16 @@ Save (every rank calls :func:`save`):
 
 1. every rank sends its RNG state to the writer (one gather on the control plane);
 2. the writer (global rank 0) adds them to the checkpoint and writes it with the ``CheckpointIO``;
-3. the writer broadcasts the outcome; on failure every rank raises the same :class:`CheckpointWriteError` with
-   the writer's message. Returning from :func:`save` means the file is complete on disk: no rank can read a
-   checkpoint before it exists.
+3. every rank agrees on the outcome (one :meth:`~ddp_strategy.control.ControlPlane.agree`); when a writer failed,
+   every rank raises :class:`CheckpointWriteError` with the first failing writer's message. Returning from
+   :func:`save` means the file is complete on disk: no rank can read a checkpoint before it exists.
 
 Load (every rank calls :func:`load`): rank 0 verifies the requested file; when it is a ``last`` checkpoint that
 fails verification, rank 0 falls back to the newest valid checkpoint in the same directory, with a warning naming
-the skipped file. Rank 0 broadcasts the decision (a path or an error), and every rank loads that one path onto its
-own device.
+the skipped file. Meanwhile every other rank checks whether it sees a valid copy of the requested file. One
+agreement gives every rank rank 0's decision (a path or an error) and who can read it (a second one is needed only
+after a fallback); every rank loads that one path onto its own device, and rank 0 sends the file's bytes to the
+ranks that cannot read it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..control import ControlPlane
+from ..control import ControlPlane, RankFailure, also_failed, first_failure
 from ..errors import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
@@ -60,7 +62,9 @@ def save(
         every_writer_needs_states: gather the RNG states onto every rank (several writers) instead of rank 0 only.
 
     Raises:
-        CheckpointWriteError: on every rank, when any writer failed; the previous file is intact.
+        CheckpointWriteError: on every rank, when any writer failed; the previous file is intact. A writer whose
+            ``CheckpointIO`` raised anything but an error of this package re-raises that exception instead, after
+            the other ranks have learnt it.
 
     """
     name = os.path.basename(path)
@@ -69,24 +73,31 @@ def save(
         states: list[Any] | None = control.all_gather_object(mine, name=f"checkpoint-save:{name}")
     else:
         states = control.gather_object(mine, name=f"checkpoint-save:{name}")
-    error: str | None = None
-    if is_writer:
-        section = {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}
-        try:
-            write({**checkpoint, PACKAGE_KEY: section})
-        except DDPStrategyError as err:
-            error = str(err)
-        except Exception as err:  # anything else the CheckpointIO raised: report it to every rank, then re-raise
-            control.all_gather_object(f"{type(err).__name__}: {err}", name=f"checkpoint-saved:{name}")
-            raise
-    outcomes = control.all_gather_object(error, name=f"checkpoint-saved:{name}")
-    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointWriteError(
-            message if rank == control.rank else f"Rank {rank} failed to write checkpoint '{path}': {message}",
-            path=path,
-        )
+
+    def write_copy() -> None:
+        if is_writer:
+            write({**checkpoint, PACKAGE_KEY: {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}})
+
+    def write_error(failed: list[RankFailure]) -> BaseException:
+        unexpected = _own_unexpected(failed, control.rank)
+        if unexpected is not None:
+            return unexpected
+        first = failed[0]
+        if first.rank == control.rank:
+            message = first.message
+        else:
+            message = f"Rank {first.rank} failed to write checkpoint '{path}': {first.message}"
+        return CheckpointWriteError(message + also_failed(failed), path=path)
+
+    control.agree(f"checkpoint-saved:{name}", write_copy, first_failure(write_error))
+
+
+def _own_unexpected(failed: list[RankFailure], rank: int) -> BaseException | None:
+    """The exception ``rank``'s own step raised, when it is not an error of this package (re-raised as is there)."""
+    for failure in failed:
+        if failure.rank == rank and failure.exception is not None:
+            return None if isinstance(failure.exception, DDPStrategyError) else failure.exception
+    return None
 
 
 def _candidates(path: str) -> list[tuple[int, float, str]]:
@@ -160,23 +171,45 @@ def load(
         CheckpointIntegrityError: the checkpoint is damaged and no fallback applies (raised on every rank).
 
     """
-    decision: tuple[str, str | None, str] = (path, None, "")
-    if control.rank == 0:
+
+    def probe() -> _Probe:
+        if control.rank != 0:
+            return path, None, "", _readable(path)
         try:
-            decision = (resolve(path)[0], None, "")
+            chosen = resolve(path)[0]
         except FileNotFoundError as err:
-            decision = (path, "missing", str(err))
+            return path, "missing", str(err), False
         except CheckpointIntegrityError as err:
-            decision = (path, "invalid", str(err))
-    chosen, failure, message = control.broadcast_object(decision, name=f"checkpoint-resolve:{os.path.basename(path)}")
-    if failure == "missing":
-        raise FileNotFoundError(
-            f"{message} (checked by rank 0). Pass an existing checkpoint file, or ckpt_path='last' to resume from "
-            "the newest checkpoint of the run's ModelCheckpoint."
+            return path, "invalid", str(err), False
+        return chosen, None, "", True  # resolve verified `chosen`
+
+    def check_error(failed: list[RankFailure]) -> BaseException:
+        unexpected = _own_unexpected(failed, control.rank)
+        if unexpected is not None:
+            return unexpected
+        first = failed[0]
+        return CheckpointIntegrityError(
+            f"Rank {first.rank} could not check checkpoint '{path}': {first.message}{also_failed(failed)}", path=path
         )
-    if failure == "invalid":
-        raise CheckpointIntegrityError(message, path=path)
-    readable = control.all_gather_object(_readable(chosen), name="checkpoint-visible")
+
+    def decide(values: Sequence[_Probe | RankFailure]) -> tuple[str, list[bool]]:
+        decision = values[0]
+        if not isinstance(decision, RankFailure):  # rank 0's verdict on the file comes first
+            _, failure, message, _ = decision
+            if failure == "missing":
+                raise FileNotFoundError(
+                    f"{message} (checked by rank 0). Pass an existing checkpoint file, or ckpt_path='last' to resume "
+                    "from the newest checkpoint of the run's ModelCheckpoint."
+                )
+            if failure == "invalid":
+                raise CheckpointIntegrityError(message, path=path)
+        probes = first_failure(check_error)(values)  # raises when some rank's check itself failed
+        return probes[0][0], [probe[3] for probe in probes]
+
+    chosen, readable = control.agree(f"checkpoint-resolve:{os.path.basename(path)}", probe, decide)
+    if chosen != path:  # rank 0 fell back to another file: who can read that one?
+        mine = True if control.rank == 0 else _readable(chosen)  # rank 0 verified it in resolve
+        readable = control.agree("checkpoint-visible", mine, first_failure(check_error))
     if all(readable):
         return chosen, read(chosen)
     # Some ranks cannot see (or cannot verify) the file: rank 0 sends its bytes to everybody.
@@ -197,6 +230,12 @@ def load(
         with open(local, "wb") as file:
             file.write(payload)
         return chosen, read(local)
+
+
+#: Each rank's part of the load decision: ``(chosen path, failure, message, readable)``. The first three are rank
+#: 0's resolution (``failure`` is ``None``, ``"missing"`` or ``"invalid"``; the other ranks send the requested path,
+#: ``None`` and ``""``), ``readable`` whether this rank sees a valid copy of the requested path.
+_Probe = tuple[str, str | None, str, bool]
 
 
 def _readable(path: str) -> bool:

@@ -7,14 +7,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-fast lint docs format bench bench-quick clean bench-extra
+.PHONY: help install demo test test-fast test-compat test-gpu lint docs format bench bench-quick clean bench-extra
 
 help:
 	@echo "make demo   - set up .venv, train the CIFAR-10 example on 2 CPU processes with SafeDDPStrategy"
 	@echo "make test   - set up .venv, run lint (ruff, mypy) and the whole test suite"
+	@echo "make test-compat - the tests marked compat on the lowest and newest declared Lightning/torchmetrics (own venvs)"
+	@echo "make test-gpu - the GPU/NCCL tests (marker gpu; 1 or 2 CUDA devices each, skipped with a reason when fewer)"
 	@echo "make lint   - ruff + mypy only"
 	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
-	@echo "make bench  - the benchmark suite (vs stock Lightning and a raw DDP loop) and the handshake cost"
+	@echo "make bench  - the benchmark suite (vs stock Lightning and a raw DDP loop), handshake, callback and weight-check costs"
 	@echo "make bench-quick - CI smoke run of the benchmark suite (about 2 minutes; fails on a wide target miss)"
 	@echo "make bench-extra - checkpoint-save and exact-evaluation benchmarks"
 
@@ -45,6 +47,16 @@ docs: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The tests marked gpu (tests/test_gpu.py), with the reason of every skip; .github/workflows/gpu.yml runs this on a
+# self-hosted GPU runner. GPU_TESTS_REQUIRE=N makes it fail instead of skipping when fewer than N GPUs are visible.
+GPU_TESTS_REQUIRE ?= 0
+test-gpu: $(STAMP)
+	DDP_STRATEGY_REQUIRE_GPUS=$(GPU_TESTS_REQUIRE) $(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
+
+# Own virtual environments under build/compat (see .ci/compat.sh and .ci/compat/*.txt); needs no .venv.
+test-compat:
+	bash .ci/compat.sh
+
 format: $(STAMP)
 	$(PY) -m ruff format src tests examples bench
 	$(PY) -m ruff check --fix src tests examples bench
@@ -53,6 +65,7 @@ bench: $(STAMP)
 	$(PY) bench/suite.py
 	$(PY) bench/handshake.py
 	$(PY) bench/callback_cost.py
+	$(PY) bench/consistency_cost.py
 
 bench-extra: $(STAMP)
 	$(PY) bench/checkpoint_save.py

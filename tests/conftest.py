@@ -1,13 +1,34 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+
+
+def cuda_devices() -> int:
+    """CUDA devices visible to this process (0 without a usable CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return
-    reason = f"needs >= 2 CUDA devices for NCCL (found {torch.cuda.device_count() if torch.cuda.is_available() else 0})"
+    """Skip each ``gpu`` test, with a reason naming the device count it needs, where there are too few devices.
+
+    ``@pytest.mark.gpu`` needs one CUDA device, ``@pytest.mark.gpu(devices=2)`` two. A GPU runner sets
+    ``DDP_STRATEGY_REQUIRE_GPUS=N`` (``.github/workflows/gpu.yml``): with fewer than N devices the run fails instead
+    of skipping everything.
+    """
+    found = cuda_devices()
+    required = int(os.environ.get("DDP_STRATEGY_REQUIRE_GPUS", "0"))
+    if found < required:
+        raise pytest.UsageError(f"DDP_STRATEGY_REQUIRE_GPUS={required}, but this machine has {found} CUDA device(s)")
+    nccl = dist.is_available() and dist.is_nccl_available()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = int(marker.kwargs.get("devices", 1))
+        if found < needed or not nccl:
+            what = f"{found} found" if nccl else f"{found} found, and this torch has no NCCL"
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device(s) and NCCL ({what})"))

@@ -2,11 +2,14 @@
 
 Every script runs in a new session (its own process group). Lightning's launcher and torchrun start their ranks
 in that same group, so after the script ends any member still alive is an orphan: the test fails, and the group
-is killed either way so a broken run never stalls CI.
+is killed either way so a broken run never stalls CI. The group is killed in every exit path (a ``finally``), also
+when pytest-timeout (``timeout_method = "signal"``) fails the test while it waits for the script, so a timed-out
+test leaves no process behind either (``tests/test_proc.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -58,6 +61,12 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process of the group ``pgid``; nothing happens when none is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def run_script(
     args: list[str],
     *,
@@ -81,19 +90,24 @@ def run_script(
     )
     timed_out = False
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    seconds = time.monotonic() - start
-    # Give children a moment to notice the end of their parent before calling them orphans.
-    deadline = time.monotonic() + 10
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    orphans = _group_alive(proc.pid)
-    if orphans:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc.pid)
+            output, _ = proc.communicate()
+        seconds = time.monotonic() - start
+        # Give children a moment to notice the end of their parent before calling them orphans.
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = _group_alive(proc.pid)
+    finally:
+        # Every exit path, including an exception raised inside communicate() (pytest-timeout, Ctrl-C).
+        kill_group(proc.pid)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        proc.wait()
     result = json.loads(out.read_text()) if out is not None and out.exists() else None
     return Run(proc.returncode, output, seconds, timed_out, orphans, result)
 

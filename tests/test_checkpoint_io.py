@@ -8,12 +8,14 @@ import json
 import logging
 import os
 import pathlib
+import pickle
 import random
 import re
 import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +37,8 @@ from ddp_strategy.checkpoint import protocol, rng
 from ddp_strategy.checkpoint.format import FORMAT_VERSION, MAGIC, verify
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
+
+pytestmark = pytest.mark.compat  # fast unit tests, also run against the lowest and newest Lightning
 
 TRAILER = struct.Struct("<Q8s8s")  # record length (u64 LE) + record digest + magic, as documented in format.py
 
@@ -1111,3 +1115,105 @@ def test_temporary_files_of_dead_writers_are_removed_but_live_ones_kept(tmp_path
     assert not stale.exists() and not stale_other_name.exists()
     assert live.exists() and other_host.exists()
     assert verify(str(tmp_path / "last.ckpt")) is not None
+
+
+# --------------------------------------------------------------------------- torch's weights-only switches
+class DataDirModule(LightningModule):
+    """A realistic module whose saved hyper-parameters hold a pickled object (a ``pathlib.Path``)."""
+
+    def __init__(self, data_dir: pathlib.Path = pathlib.Path("/data/cifar10")) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lin = nn.Linear(2, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_data_dir_module(ckpt_path: Path | None = None, *, safe: bool = True, max_epochs: int = 1) -> Trainer:
+    trainer = Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        plugins=[SafeCheckpointIO()] if safe else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(DataDirModule(), DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.fixture
+def path_hparam_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "data_dir.ckpt"
+    fit_data_dir_module().save_checkpoint(path)
+    return path
+
+
+def test_torch_force_no_weights_only_load_lets_pickled_objects_load_with_a_warning_as_in_torch_load(
+    path_hparam_checkpoint: Path, checkpoint_io: SafeCheckpointIO, saved: tuple[Path, dict[str, Any]], monkeypatch
+) -> None:
+    path = path_hparam_checkpoint
+    with pytest.raises(UnsafeCheckpointError, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1"):
+        checkpoint_io.load_checkpoint(path)  # refusing pickled objects stays the default
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.warns(UserWarning, match="because TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set and weights_only was not"):
+        loaded = checkpoint_io.load_checkpoint(path)
+    assert loaded["hyper_parameters"]["data_dir"] == pathlib.Path("/data/cifar10")
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):  # torch.load decides the same
+        assert torch.load(path)["hyper_parameters"]["data_dir"] == pathlib.Path("/data/cifar10")
+    # an explicit weights_only=True still wins over the variable, in torch.load as here
+    with pytest.raises(UnsafeCheckpointError):
+        checkpoint_io.load_checkpoint(path, weights_only=True)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    # a file without pickled objects loads as before, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(checkpoint_io.load_checkpoint(saved[0]), saved[1])
+    # end to end, as the user of the issue: resuming fit(ckpt_path=...) works, with the warning, as in stock Lightning
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        assert fit_data_dir_module(path, max_epochs=2).global_step == 4
+    assert fit_data_dir_module(path, safe=False, max_epochs=2).global_step == 4
+
+
+def test_torch_force_weights_only_load_refuses_pickled_objects_even_with_weights_only_false(
+    path_hparam_checkpoint: Path, checkpoint_io: SafeCheckpointIO, monkeypatch
+) -> None:
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "true")
+    with pytest.raises(UnsafeCheckpointError, match="TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which makes every load"):
+        checkpoint_io.load_checkpoint(path_hparam_checkpoint, weights_only=False)
+    with pytest.raises(pickle.UnpicklingError):  # torch.load decides the same
+        torch.load(path_hparam_checkpoint, weights_only=False)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # both: an error, in torch.load as here
+    with pytest.raises(RuntimeError, match="Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or"):
+        checkpoint_io.load_checkpoint(path_hparam_checkpoint)
+    with pytest.raises(RuntimeError, match="Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or"):
+        torch.load(path_hparam_checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("force", "force_no", "weights_only", "expected"),
+    [
+        (None, None, None, (True, None)),
+        (None, None, False, (False, None)),
+        ("1", None, False, (True, "TORCH_FORCE_WEIGHTS_ONLY_LOAD")),
+        ("YES", None, None, (True, None)),
+        ("0", None, False, (False, None)),
+        (None, "y", None, (False, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")),
+        (None, "True", True, (True, None)),
+        (None, "no", None, (True, None)),
+    ],
+)
+def test_resolve_weights_only_follows_torch_load(force, force_no, weights_only, expected, monkeypatch) -> None:
+    for name, value in (("TORCH_FORCE_WEIGHTS_ONLY_LOAD", force), ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", force_no)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert ddp_io.resolve_weights_only(weights_only) == expected

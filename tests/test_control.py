@@ -31,6 +31,8 @@ from ddp_strategy.errors import (
     DDPStrategyError,
 )
 
+pytestmark = pytest.mark.compat  # fast unit tests, also run against the lowest and newest Lightning
+
 
 def make_planes(world_size: int, timeout: float = 1.0, heartbeat: float = 0.1) -> list[ControlPlane]:
     store = dist.HashStore()

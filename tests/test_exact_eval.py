@@ -64,7 +64,7 @@ def single_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.compat), 3, 4])
 def test_every_size_and_batch_size_matches_one_device(tmp_path: Path, single_device: dict[str, Any], world_size: int):
     run = run_eval(tmp_path, f"ws{world_size}", "--devices", str(world_size), "--sizes", ALL_SIZES, timeout=400)
     assert run.returncode == 0, run.describe()
@@ -103,6 +103,7 @@ def test_custom_loaders_match_one_device(tmp_path: Path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.compat
 def test_per_step_sync_with_uneven_steps_raises_a_named_error(tmp_path: Path):
     # 3 samples, batch size 1, 2 ranks: rank 0 runs 2 steps, rank 1 runs 1; a per-step all-reduce would hang
     args = ["--devices", "2", "--sizes", "3", "--batch-sizes", "1", "--stages", "validate", "--step-sync"]
@@ -133,6 +134,27 @@ def test_stock_lightning_counts_padded_duplicates(tmp_path: Path):
     stock = run_eval(tmp_path, "stock", *args)
     assert stock.result is not None, stock.describe()
     assert sample_counts(stock.result["test"]) == [12.0, 3.0]
+
+
+@pytest.mark.multiprocess
+def test_stock_lightning_padding_turns_accuracy_0_9_into_0_9167(tmp_path: Path):
+    """README's and docs/evaluation.md's example: 10 test samples, 9 classified right, 3 ranks. One device and
+    SafeDDPStrategy report 0.9000 over 10 samples; stock DDPStrategy evaluates 12 (samples 0 and 1 twice) and
+    reports 0.9167."""
+    results = {}
+    for name, args in {
+        "one_device": ["--devices", "1"],
+        "stock": ["--devices", "3", "--strategy", "ddp"],
+        "safe": ["--devices", "3", "--strategy", "safe_ddp"],
+    }.items():
+        out = tmp_path / f"{name}.json"
+        run = run_script([str(SCRIPTS / "padded_accuracy.py"), *args, "--out", str(out)], timeout=180, out=out)
+        assert run.returncode == 0 and not run.orphans and run.result is not None, run.describe()
+        results[name] = run.result
+    assert [results[n]["world_size"] for n in ("one_device", "stock", "safe")] == [1, 3, 3]
+    assert (results["one_device"]["samples"], f"{results['one_device']['acc']:.4f}") == (10.0, "0.9000")
+    assert (results["stock"]["samples"], f"{results['stock']['acc']:.4f}") == (12.0, "0.9167")
+    assert (results["safe"]["samples"], f"{results['safe']['acc']:.4f}") == (10.0, "0.9000")
 
 
 # ---------------------------------------------------------------------------------------------- unit tests
@@ -174,6 +196,7 @@ def test_seeded_permutation_is_the_same_on_every_rank_and_changes_with_the_epoch
     assert list(a) != first and sorted(a) == list(range(20))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     ("make", "ordered"),
     [
@@ -216,6 +239,7 @@ def test_sharded_dataloaders_cover_every_sample_once(make: Any, ordered: bool, p
         assert type(wrapped.dataloader.batch_sampler).__name__ == "_IndexBatchSamplerWrapper"
 
 
+@pytest.mark.compat
 def test_iterable_dataset_is_strided_by_rank():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -232,6 +256,7 @@ def test_iterable_dataset_is_strided_by_rank():
     assert sorted(i for share in shares for i in share) == list(range(10))
 
 
+@pytest.mark.compat
 def test_single_rank_and_non_dataloaders_are_left_alone():
     loader = DataLoader(_dataset(4), batch_size=2)
     assert shard_evaluation_dataloader(loader, rank=0, world_size=1, predicting=False, name="x").dataloader is loader
@@ -250,6 +275,7 @@ def _key(key: str) -> LoggedKey:
     )
 
 
+@pytest.mark.compat
 def test_logged_keys_merge_in_one_order_for_every_rank():
     merged = merge_keys([[_key("a"), _key("c")], [], [_key("b"), _key("a")]])
     assert [k.key for k in merged] == ["a", "c", "b"]

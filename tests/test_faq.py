@@ -262,26 +262,116 @@ def test_faq_answers_every_seed_question_with_a_linked_test():
             assert not test or f"def {test}(" in source, f"{file}::{test} does not exist"
 
 
+def test_faq_answers_beyond_the_seed_questions_link_tests_that_exist():
+    """Answers after the 19 seed questions (e.g. "my ranks end with different weights") link existing tests too."""
+    sections = re.split(r"^## ", FAQ.read_text(), flags=re.MULTILINE)[1:]
+    extra = [s for s in sections if not re.match(r"\d+\. ", s)]
+    assert any("different weights" in s.splitlines()[0] for s in extra)
+    for section in extra:
+        links = re.findall(r"tests/(test_\w+\.py)(?:::(\w+))?", section)
+        assert links, f"no test linked in: {section.splitlines()[0]}"
+        for file, test in links:
+            assert not test or f"def {test}(" in (ROOT / "tests" / file).read_text(), f"{file}::{test} does not exist"
+
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.MULTILINE | re.DOTALL)
+REPO_URL = "https://github.com/ddp-strategy/ddp_strategy"  # links to the repository itself are checked locally
+LINKED_PAGES = [
+    "README.md",
+    "bench/README.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+]
 
 
-@pytest.mark.parametrize(
-    "page", ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
-)
+def headings(page: Path) -> list[str]:
+    """The text of every ATX heading of a Markdown page, outside fenced code blocks (where `#` is a comment)."""
+    return re.findall(r"^#{1,6} +(.+?) *#*$", FENCE.sub("", page.read_text()), flags=re.MULTILINE)
+
+
+def github_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``page``: inline Markdown dropped, lower case, punctuation other than
+    ``-`` and ``_`` removed, each space a ``-``; a repeated anchor gets ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in headings(page):
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # [text](target) -> text
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def mkdocs_anchors(page: Path) -> set[str]:
+    """The anchors the documentation site gives the headings of ``page`` (Python-Markdown's toc extension)."""
+    import markdown
+
+    md = markdown.Markdown(extensions=["toc", "tables", "pymdownx.superfences"])
+    md.convert(page.read_text())
+
+    def walk(tokens: list[dict[str, Any]]) -> set[str]:
+        return {t["id"] for t in tokens} | {i for t in tokens for i in walk(t["children"])}
+
+    return walk(md.toc_tokens)  # type: ignore[attr-defined]
+
+
+def test_anchor_rules_match_known_headings():
+    """The link check's anchor rules, on headings whose anchors GitHub and mkdocs are known to give."""
+    bench = github_anchors(ROOT / "bench" / "README.md")
+    assert "checkpoint-save-benchcheckpoint_savepy-make-bench-extra" in bench
+    assert "checkpoint-save-benchcheckpoint_savepy" not in bench  # the anchor README linked before (issue 17)
+    faq = ROOT / "docs" / "faq.md"
+    seventeen = "17-what-is-the-proper-bug-free-way-to-save-during-ddp-training-and-resume-on-all-ranks-map_location"
+    assert seventeen in github_anchors(faq) and seventeen in mkdocs_anchors(faq)
+    assert "node-0-its-address-10001" not in github_anchors(ROOT / "docs" / "multinode.md")  # a comment in a code block
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES)
 def test_relative_links_in_docs_and_readme_resolve(page: str):
-    """Every relative link points to an existing file (and, for a docs page, an existing heading)."""
+    """Every relative link (and every link to this repository on GitHub) points to an existing file, and every
+    anchor to an existing heading: as GitHub renders it, and for links between docs pages also as the site does."""
     source = ROOT / page
     broken = []
     for target in LINK.findall(source.read_text()):
-        if re.match(r"[a-z]+://|mailto:|#", target):
+        if target.startswith(REPO_URL):
+            rest = target[len(REPO_URL) :]
+            rest = re.sub(r"^/(?:tree|blob)/main/", "", rest).lstrip("/")
+            path, _, anchor = rest.partition("#")
+            resolved = ROOT / (path or "README.md")
+        elif re.match(r"[a-z]+://|mailto:", target):
             continue
-        path, _, anchor = target.partition("#")
-        resolved = (source.parent / path).resolve()
+        else:
+            path, _, anchor = target.partition("#")
+            resolved = (source.parent / path).resolve() if path else source
         if not resolved.exists():
             broken.append(target)
-        elif anchor and resolved.suffix == ".md" and resolved.parent == ROOT / "docs":
-            headings = re.findall(r"^#+ (.+)$", resolved.read_text(), flags=re.MULTILINE)
-            slugs = {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings}
-            if anchor not in slugs:
-                broken.append(target)
+        elif anchor and resolved.suffix == ".md":
+            if anchor not in github_anchors(resolved):
+                broken.append(f"{target} (no such heading on GitHub)")
+            both_in_docs = source.parent == ROOT / "docs" and resolved.parent == ROOT / "docs"
+            if both_in_docs and anchor not in mkdocs_anchors(resolved):
+                broken.append(f"{target} (no such heading in the documentation site)")
     assert not broken, f"{page}: broken links {broken}"
+
+
+def test_readme_table_names_tests_that_exist():
+    """Every test named in the "shown by" column of README's table exists (``::name`` continues the file named
+    before it in the same cell; ``name_*`` is any test of that prefix), and every row names at least one."""
+    table = (ROOT / "README.md").read_text().split("## What it adds to stock Lightning DDP", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| situation")]
+    assert len(rows) >= 10
+    missing = []
+    for row in rows:
+        cell = row.rstrip(" |").rsplit(" | ", 1)[1]
+        refs = re.findall(r"`(tests/test_\w+\.py)?(?:::(\w+\*?))?`", cell)
+        assert [r for r in refs if any(r)], f"no test named in: {row[:80]}"
+        current = None
+        for file, test in refs:
+            current = file or current
+            assert current is not None, f"'::{test}' without a file before it in: {row[:80]}"
+            path = ROOT / current
+            if not path.exists():
+                missing.append(current)
+            elif test and not re.search("^def " + test.replace("*", r"\w*") + r"\(", path.read_text(), re.MULTILINE):
+                missing.append(f"{current}::{test}")
+    assert not missing, f"README names tests that do not exist: {missing}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -81,6 +82,18 @@ def test_version_and_world_size_mismatch_table():
     assert set(info.value.fields) == {"torch", "world_size"}
     assert "2.0.0" in text and "2-3" in text and "0-1" in text
     assert "constraints" in text
+
+
+@pytest.mark.parametrize("field", ["python", "torch", "lightning", "ddp_strategy"])
+def test_each_compared_version_is_a_field_of_the_table(field):
+    """Every version the handshake collects is compared: one differing rank names that field, its values and ranks."""
+    base = facts_for(1)[0]
+    key = next(k for k in base.versions if k == field or (field == "lightning" and "lightning" in k))
+    facts = facts_for(3, overrides={2: {"versions": {**base.versions, key: "0.0.other"}}})
+    with pytest.raises(SetupMismatchError) as info:
+        check_facts(facts)
+    assert list(info.value.fields) == [key]
+    assert re.search(rf"{re.escape(key)} +{re.escape(base.versions[key])} +0-1\n +0\.0\.other +2", str(info.value))
 
 
 def test_parameter_shape_mismatch_names_tensor():

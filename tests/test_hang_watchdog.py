@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import threading
 import time
 from datetime import timedelta
@@ -189,6 +190,9 @@ def test_rank_sleeping_forever_in_training_step(tmp_path):
         assert "Thread MainThread" in dump and f"ddp_strategy-heartbeat-rank{rank}" in dump
         assert f"[rank{rank}]: HangWatchdog stack dump: rank {rank} of 2" in run.output  # stderr too
     assert "time.sleep(3600)" in (dumps / "hang-rank1.txt").read_text()
+    # docs/diagnostics.md: the alarm comes within seconds of `timeout` (3 s here; the watchdog polls every 0.75 s)
+    stalled = re.search(r"training hung; rank \d made no progress for ([\d.]+) s \(timeout 3 s", summary)
+    assert stalled and 3 <= float(stalled.group(1)) < 5, summary
     assert run.seconds < 60, run.describe()
 
 

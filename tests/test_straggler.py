@@ -141,7 +141,10 @@ def test_without_matplotlib_the_png_is_skipped_with_a_warning(tmp_path, monkeypa
     assert monitor.png_path is None and monitor.csv_path is not None and monitor.csv_path.exists()
 
 
-def test_per_batch_overhead_is_a_few_microseconds(tmp_path):
+def test_hooks_with_a_stub_trainer_stay_below_100_us_per_batch(tmp_path):
+    """A regression bound only: with a stub trainer the hooks take a few microseconds per batch here. The cost the
+    docs quote (33 us per step in a real fit) is measured by bench/callback_cost.py and checked against the docs by
+    tests/test_doc_figures.py::test_straggler_monitor_cost."""
     monitor = StragglerMonitor(every_n_steps=10**9, plot=False)
     trainer = fake_trainer(tmp_path)
     monitor.on_fit_start(trainer, None)
@@ -150,7 +153,7 @@ def test_per_batch_overhead_is_a_few_microseconds(tmp_path):
     run_batches(monitor, trainer, n)
     per_batch = (time.perf_counter() - start) / n
     print(f"StragglerMonitor hooks: {per_batch * 1e6:.2f} us per batch")
-    assert per_batch < 100e-6  # generous for a loaded machine; typically a few microseconds
+    assert per_batch < 100e-6  # generous for a loaded machine
 
 
 def test_a_long_run_keeps_an_evenly_spaced_bounded_history(tmp_path):

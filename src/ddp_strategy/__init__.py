@@ -20,6 +20,7 @@ from .errors import (
     SetupMismatchError,
     ShardingError,
     UnevenEvaluationError,
+    UnevenInputsError,
     UnsafeCheckpointError,
 )
 from .strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
@@ -37,6 +38,7 @@ __all__ = [
     "SetupMismatchError",
     "ShardingError",
     "UnevenEvaluationError",
+    "UnevenInputsError",
     "UnsafeCheckpointError",
     "__version__",
 ]

@@ -52,6 +52,7 @@ R = TypeVar("R")
 _POSITION_KEY = "pos/{rank}"
 _ARRIVAL_KEY = "barrier/{seq}/{rank}"
 _UNNAMED = "<unnamed>"
+_REASONS = {"failed": "failed before arriving", "went_on": "went on without entering it"}
 
 
 class Store(Protocol):
@@ -318,9 +319,16 @@ class ControlPlane:
         """This rank's current position."""
         return self._position
 
-    def note_step(self, step: int) -> None:
-        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O)."""
-        self._position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time())
+    def note_step(self, step: int, *, batch: int | None = None) -> None:
+        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O).
+
+        Args:
+            step: the optimizer step (``trainer.global_step``), shown in messages.
+            batch: how many training batches this rank has started in this run, this one included; lets another
+                rank tell that this one went past a point of that batch (see ``passed`` in :meth:`barrier`).
+
+        """
+        self._position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time(), batch=batch)
 
     def _publish(self, position: Position) -> None:
         self._store.set(_POSITION_KEY.format(rank=self.rank), position.with_heartbeat(time.time()).to_json())
@@ -376,13 +384,18 @@ class ControlPlane:
         return Position.from_json(self._store.get(key))
 
     # ------------------------------------------------------------------ collectives
-    def barrier(self, name: str | None = None, *, site: str | None = None) -> None:
+    def barrier(
+        self, name: str | None = None, *, site: str | None = None, passed: Callable[[Position], bool] | None = None
+    ) -> None:
         """Wait until every rank reaches this barrier, at most ``timeout``.
 
         Args:
             name: a name for the barrier; it appears in errors, and ranks that reach barriers of different
                 names at the same point raise an error instead of silently pairing them up.
             site: the call site to report; found from the stack when not given.
+            passed: for a barrier that only some ranks may enter (one they enter when a local test fires): tells,
+                from a missing rank's published position, that it went past this point without entering, so it
+                never will. Such a rank ends the wait at once (``reason="went_on"``) instead of after the timeout.
 
         Raises:
             CollectiveMismatchError: some ranks did not arrive within the timeout, or arrived at a barrier with
@@ -403,20 +416,22 @@ class ControlPlane:
             self._store.set(keys[self.rank], name)
         except Exception as err:
             raise self._store_lost(name, site, err) from err
-        self._wait_all(keys, name, site, seq, entered)
+        self._wait_all(keys, name, site, seq, entered, passed)
         names = [value.decode() for value in self._store.multi_get(keys)]
         self._check_names(name, site, names)
         if seq > 0:  # every rank has passed barrier seq-1 once all arrived at seq: its key can go
             self._store.delete_key(_ARRIVAL_KEY.format(seq=seq - 1, rank=self.rank))
 
-    def all_gather_object(self, obj: T, name: str, *, site: str | None = None) -> list[T]:
+    def all_gather_object(
+        self, obj: T, name: str, *, site: str | None = None, passed: Callable[[Position], bool] | None = None
+    ) -> list[T]:
         """Gather one picklable object from every rank, on every rank, after a monitored barrier.
 
         The barrier first makes sure every rank is here (or names the ones that are not); the gather itself
-        then runs on the gloo control group.
+        then runs on the gloo control group. ``passed``: see :meth:`barrier`.
         """
         site = call_site(skip=2) if site is None else site
-        self.barrier(name, site=site)
+        self.barrier(name, site=site, passed=passed)
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -454,11 +469,18 @@ class ControlPlane:
         decide: Callable[[Sequence[T | RankFailure]], R],
         *,
         site: str | None = None,
+        passed: Callable[[Position], bool] | None = None,
     ) -> R: ...
 
     @overload
     def agree(
-        self, name: str, local: T, decide: Callable[[Sequence[T | RankFailure]], R], *, site: str | None = None
+        self,
+        name: str,
+        local: T,
+        decide: Callable[[Sequence[T | RankFailure]], R],
+        *,
+        site: str | None = None,
+        passed: Callable[[Position], bool] | None = None,
     ) -> R: ...
 
     def agree(
@@ -468,6 +490,7 @@ class ControlPlane:
         decide: Callable[[Sequence[T | RankFailure]], R],
         *,
         site: str | None = None,
+        passed: Callable[[Position], bool] | None = None,
     ) -> R:
         """Make every rank take the same decision on one small value per rank, or raise the same error.
 
@@ -487,6 +510,7 @@ class ControlPlane:
                 values (it may phrase a message relative to :attr:`rank`); :func:`first_failure` and
                 :func:`from_rank` are the common decisions.
             site: the call site to report; found from the stack when not given.
+            passed: for an agreement that only the ranks whose local test fired enter: see :meth:`barrier`.
 
         Returns:
             What ``decide`` returned, the same on every rank.
@@ -507,7 +531,7 @@ class ControlPlane:
             mine = local
         own = mine.exception if isinstance(mine, RankFailure) else None
         try:
-            values = self.all_gather_object(mine, name, site=site)
+            values = self.all_gather_object(mine, name, site=site, passed=passed)
         except BaseException as err:
             if own is not None:  # shown with the barrier's error: this rank had failed too
                 _chain_last(err, own)
@@ -520,8 +544,16 @@ class ControlPlane:
                 raise
             raise err from own
 
-    def _wait_all(self, keys: list[str], name: str, site: str, seq: int, entered: float) -> None:
-        """Wait for every arrival key; fail early when a missing rank has published a failure."""
+    def _wait_all(
+        self,
+        keys: list[str],
+        name: str,
+        site: str,
+        seq: int,
+        entered: float,
+        passed: Callable[[Position], bool] | None = None,
+    ) -> None:
+        """Wait for every arrival key; fail early when a missing rank has published a failure or went past."""
         deadline = entered + self.timeout.total_seconds()
         while True:
             remaining = deadline - time.time()
@@ -534,8 +566,12 @@ class ControlPlane:
                     return
                 positions = {rank: self._safe_read_position(rank) for rank in missing}
                 failed = any(p is not None and p.kind == "failed" for p in positions.values())
-                if failed or time.time() >= deadline:
-                    raise self._timeout_error(name, site, positions, time.time() - entered, failed) from err
+                went_on = passed is not None and any(
+                    p is not None and p.kind != "failed" and passed(p) for p in positions.values()
+                )
+                if failed or went_on or time.time() >= deadline:
+                    reason = "failed" if failed else "went_on" if went_on else "missing"
+                    raise self._timeout_error(name, site, positions, time.time() - entered, reason) from err
 
     def _safe_read_position(self, rank: int) -> Position | None:
         try:
@@ -550,14 +586,15 @@ class ControlPlane:
             raise self._store_lost(name, site, store_err) from err
 
     def _timeout_error(
-        self, name: str, site: str, positions: dict[int, Position | None], waited: float, failed: bool
+        self, name: str, site: str, positions: dict[int, Position | None], waited: float, reason: str
     ) -> CollectiveMismatchError:
         now = time.time()
         missing = sorted(positions)
-        reason = "failed before arriving" if failed else "never arrived"
+        failed = reason == "failed"
+        what = _REASONS.get(reason, "never arrived")
         lines = [
             f"Rank {self.rank} waited {waited:.1f} s at barrier '{name}' ({site or 'unknown site'}), "
-            f"but rank(s) {format_ranks(missing)} {reason} (barrier_timeout={self.timeout.total_seconds():g} s). "
+            f"but rank(s) {format_ranks(missing)} {what} (barrier_timeout={self.timeout.total_seconds():g} s). "
             "Where they were last seen:"
         ]
         stale_after = max(1.0, 3 * self._poll_interval)
@@ -572,6 +609,11 @@ class ControlPlane:
             lines.append(f"  rank {rank}: {where}")
         if failed:
             lines.append("Look at the failed rank's own error above for the cause; this rank stops too.")
+        elif reason == "went_on":
+            lines.append(
+                "Their positions show that they went past the point where they would have entered, so they never "
+                "will: the ranks took different branches here. This rank stops instead of waiting for the timeout."
+            )
         else:
             lines.append(
                 "Every rank must call the same barriers in the same order. A barrier inside "
@@ -579,7 +621,7 @@ class ControlPlane:
                 "the branch. If the other ranks are just slow (a long prepare_data or checkpoint write), raise "
                 "SafeDDPStrategy(barrier_timeout=...)."
             )
-        return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing)
+        return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing, reason=reason)
 
     def note_failure(self, exception: BaseException) -> None:
         """Publish that this rank failed, so ranks waiting for it stop at once and name the error.
@@ -600,6 +642,7 @@ class ControlPlane:
             "node 0 has most likely exited or died; look at its output for the first error.",
             name=name,
             missing_ranks=[0],
+            reason="store",
         )
 
     def _check_names(self, name: str, site: str, names: list[str]) -> None:
@@ -616,6 +659,7 @@ class ControlPlane:
             "barrier (look for a barrier inside a rank-dependent branch).",
             name=name,
             missing_ranks=[r for n, ranks in by_name.items() if n != name for r in ranks],
+            reason="names",
         )
 
     # ------------------------------------------------------------------ teardown

@@ -20,6 +20,7 @@ __all__ = [
     "SetupMismatchError",
     "ShardingError",
     "UnevenEvaluationError",
+    "UnevenInputsError",
     "UnsafeCheckpointError",
 ]
 
@@ -79,13 +80,35 @@ class CollectiveMismatchError(DDPStrategyError):
     Attributes:
         name: the name of the barrier or collective that failed.
         missing_ranks: the global ranks that never arrived.
+        reason: why: ``"missing"`` (they did not arrive within the timeout), ``"failed"`` (a missing rank published a
+            failure), ``"went_on"`` (a missing rank's published position shows it went past this point without
+            entering it, so it never will), ``"names"`` (ranks reached differently named barriers) or ``"store"``
+            (the rendezvous store became unreachable).
 
     """
 
-    def __init__(self, message: str, *, name: str, missing_ranks: Sequence[int]) -> None:
+    def __init__(self, message: str, *, name: str, missing_ranks: Sequence[int], reason: str = "missing") -> None:
         super().__init__(message)
         self.name = name
         self.missing_ranks = tuple(missing_ranks)
+        self.reason = reason
+
+
+class UnevenInputsError(CollectiveMismatchError):
+    """Ranks would run different numbers of training steps in an epoch, so DDP's gradient all-reduce would hang.
+
+    Raised before the first step, when every rank's training batch count is known and they differ.
+
+    Attributes:
+        batches: each rank's number of training batches per epoch, in rank order.
+
+    """
+
+    def __init__(self, message: str, *, batches: Sequence[float]) -> None:
+        counts = list(batches)
+        most = max(counts)
+        super().__init__(message, name="training batches", missing_ranks=[r for r, n in enumerate(counts) if n < most])
+        self.batches = tuple(counts)
 
 
 class CheckpointIntegrityError(DDPStrategyError):

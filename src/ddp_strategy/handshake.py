@@ -15,6 +15,7 @@ global seed; :func:`seed_summary` is the one info line for when they all agree.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -36,6 +37,7 @@ __all__ = [
     "RankFacts",
     "check_devices",
     "check_facts",
+    "check_training_batches",
     "collect_facts",
     "sampler_seeds",
     "seed_report",
@@ -67,6 +69,8 @@ class RankFacts:
         sampler_seeds: the seeds of the shuffling ``DistributedSampler`` of each training dataloader; ``None`` when
             not known (no training dataloader yet, or none passed to :func:`collect_facts`), ``()`` when the
             training dataloaders have no shuffling ``DistributedSampler``.
+        training_batches: the training batches this rank runs per epoch (after ``limit_train_batches``);
+            ``inf`` for an iterable of unknown length, ``None`` when not training.
 
     """
 
@@ -82,6 +86,7 @@ class RankFacts:
     seed: str | None
     tensors: tuple[TensorFingerprint, ...] = field(default=())
     sampler_seeds: tuple[int, ...] | None = None
+    training_batches: float | None = None
 
 
 def _package_version() -> str:
@@ -113,12 +118,13 @@ def collect_facts(
     device: torch.device,
     module: nn.Module | None,
     sampler_seeds: Sequence[int] | None = None,
+    training_batches: float | None = None,
 ) -> RankFacts:
     """Describe this rank. Fingerprints are computed on ``device``; only a few integers per tensor leave it.
 
     ``module=None`` collects everything but the tensor fingerprints (used for the early device check).
     ``sampler_seeds`` are the training ``DistributedSampler`` seeds (see :func:`train_sampler_seeds`), or ``None``
-    when unknown.
+    when unknown; ``training_batches`` is ``trainer.num_training_batches`` when training starts.
     """
     return RankFacts(
         rank=rank,
@@ -138,6 +144,7 @@ def collect_facts(
         seed=os.environ.get("PL_GLOBAL_SEED"),
         tensors=tuple(fingerprint_module(module)) if module is not None else (),
         sampler_seeds=tuple(int(s) for s in sampler_seeds) if sampler_seeds is not None else None,
+        training_batches=float(training_batches) if training_batches is not None else None,
     )
 
 
@@ -188,6 +195,46 @@ def check_facts(facts: Sequence[RankFacts]) -> None:
     _check_setup(facts)
     _check_tensor_signatures(facts)
     _check_tensor_values(facts)
+
+
+def check_training_batches(facts: Sequence[RankFacts]) -> str | None:
+    """Find ranks that would run different numbers of training steps per epoch (known lengths only).
+
+    DDP all-reduces gradients at every step, so a rank with more batches than another waits forever in its extra
+    step (or silently pairs it with the other rank's next epoch). Unknown lengths (an iterable dataset) are not
+    compared here.
+
+    Args:
+        facts: one entry per rank, in rank order.
+
+    Returns:
+        The message of the :class:`~ddp_strategy.errors.UnevenInputsError` to raise (or warn with), or ``None``
+        when the counts agree or are not all known.
+
+    """
+    counts = [f.training_batches for f in facts]
+    known = [c for c in counts if c is not None and not math.isinf(c)]
+    if len(known) < len(counts) or len(set(known)) <= 1:
+        return None
+    table = "; ".join(
+        f"{int(count)} on rank(s) {format_ranks(ranks)}"
+        for count, ranks in sorted(_group_numbers(dict(enumerate(known))).items(), reverse=True)
+    )
+    return (
+        f"Ranks have different numbers of training batches per epoch: {table}. DDP all-reduces gradients at every "
+        f"step, so the ranks with more batches would wait forever in step {int(min(known)) + 1} for the others "
+        "(or pair it with their next epoch's first step). Give every rank the same number of batches: keep "
+        "Lightning's DistributedSampler (Trainer(use_distributed_sampler=True), the default), or with your own "
+        "sharding split the data evenly (DistributedSampler(drop_last=True) drops the remainder), or set "
+        f"Trainer(limit_train_batches={int(min(known))})."
+    )
+
+
+def _group_numbers(values: dict[int, float]) -> dict[float, list[int]]:
+    groups: dict[float, list[int]] = {}
+    for rank, value in values.items():
+        groups.setdefault(value, []).append(rank)
+    return groups
 
 
 def check_devices(facts: Sequence[RankFacts]) -> None:

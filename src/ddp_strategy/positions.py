@@ -41,6 +41,9 @@ class Position:
         seq: how many control-plane operations this rank had entered before this one.
         since: wall-clock time (``time.time()``) when the rank entered this position.
         heartbeat: wall-clock time of the rank's last sign of life.
+        batch: for ``"training step"``: how many training batches this rank had started in this run, this one
+            included (a batch count, unlike the step number, also advances inside gradient accumulation); else
+            ``None``.
 
     """
 
@@ -50,6 +53,7 @@ class Position:
     seq: int = 0
     since: float = 0.0
     heartbeat: float = 0.0
+    batch: int | None = None
 
     def describe(self, now: float | None = None) -> str:
         """A one-line human description, e.g. ``barrier 'save' at train.py:42 in main (entered 3.1 s ago)``."""

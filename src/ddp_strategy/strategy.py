@@ -6,41 +6,50 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._compat.lightning import (
     CheckpointPath,
     DDPStrategy,
     StrategyRegistryType,
+    TrainerFn,
+    add_callback,
+    count_checkpointed_batch_as_completed,
     destroy_default_process_group,
+    has_callback,
     init_default_process_group,
     pl,
     rank_zero_info,
     rank_zero_warn,
+    rebuild_ddp_wrapper,
+    restore_before_second_train_iterator,
     route_resume_path,
     set_sampler_epoch,
     trainer_of,
 )
 from .callbacks.sharding_check import ensure_sharding_check
+from .callbacks.weight_sync import WeightSyncCheck
 from .checkpoint import protocol
 from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import PACKAGE_KEY
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
-from .errors import CheckpointMismatchError, CheckpointWriteError
+from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
 from .handshake import (
     RankFacts,
     check_devices,
     check_facts,
+    check_training_batches,
     collect_facts,
     seed_report,
     seed_summary,
@@ -49,6 +58,7 @@ from .handshake import (
 from .peers import diagnose_failed_peers
 from .positions import call_site
 from .sampling import skip_consumed_batches
+from .trainable import TrainableSetWatcher, agree_on_trainable_set, describe_change
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
@@ -57,6 +67,8 @@ log = logging.getLogger(__name__)
 _SAVE_ON = frozenset({"global_zero", "node_zero"})
 _ASYNC_SNAPSHOT = frozenset({"overlap", "blocking"})
 _SHARDING_CHECK = frozenset({"raise", "warn"})
+_WEIGHT_CHECK = frozenset({"epoch", "save"})
+_UNEVEN_INPUTS = frozenset({"raise", "warn"})
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
 DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
@@ -78,7 +90,12 @@ class SafeDDPStrategy(DDPStrategy):
     * runs a start-up *handshake* before the first training, validation, test or predict step: duplicate
       devices, differing versions/world size/model structure, and differing weights raise named errors;
     * makes :meth:`barrier` a *monitored, named* barrier that raises
-      :class:`~ddp_strategy.errors.CollectiveMismatchError` after ``barrier_timeout`` instead of hanging.
+      :class:`~ddp_strategy.errors.CollectiveMismatchError` after ``barrier_timeout`` instead of hanging;
+    * follows changes of the set of trainable parameters after DDP was built (``BackboneFinetuning``, freezing or
+      unfreezing mid-run): the ranks agree on the new set and DDP's wrapper is rebuilt with the same options, so
+      the newly trainable parameters are all-reduced;
+    * compares the ranks' weights before every checkpoint save and at the end of every training epoch: ranks that
+      disagree raise :class:`~ddp_strategy.errors.RankDivergenceError` and the checkpoint is not written.
 
     Use it as ``Trainer(strategy=SafeDDPStrategy(...))`` or, after ``import ddp_strategy``,
     ``Trainer(strategy="safe_ddp")`` (``"safe_ddp_spawn"`` for the spawn launcher).
@@ -110,10 +127,30 @@ class SafeDDPStrategy(DDPStrategy):
         sharding_check: compare the first training batches across ranks (a
             :class:`~ddp_strategy.callbacks.ShardingCheck` is added unless the Trainer has one): ``"warn"``
             (default) or ``"raise"`` when two ranks receive identical batches, ``None`` to skip.
+        uneven_inputs: what to do when the ranks' training batch counts per epoch are known (map-style data,
+            sized loaders) and differ, which would hang DDP's gradient all-reduce: ``"raise"`` (default) an
+            :class:`~ddp_strategy.errors.UnevenInputsError` on every rank before the first step, ``"warn"``, or
+            ``None`` to skip the comparison. Checked by the training handshake.
+        weight_check: when every rank's weights are compared (a fingerprint per parameter, and per buffer that DDP
+            does not re-broadcast, compared on the control plane; see :mod:`ddp_strategy.consistency`):
+            ``"epoch"`` (default): before every checkpoint save and at the end of every training epoch; ``"save"``:
+            before saves only; an integer ``N``: also every ``N`` optimizer steps (what
+            :class:`~ddp_strategy.callbacks.WeightSyncCheck` does); ``None``: never. On a mismatch every rank
+            raises :class:`~ddp_strategy.errors.RankDivergenceError` naming the tensors, the ranks and the largest
+            difference, and the checkpoint being saved is not written.
+        weight_check_exclude: ``fnmatch`` patterns of tensor names the weight check skips (tensors that may
+            legitimately differ between ranks). The running statistics of BatchNorm/InstanceNorm layers are never
+            compared by this check (each rank updates them from its own batch).
+        track_trainable_set: before each training step, test whether the parameters' ``requires_grad`` flags still
+            match those DDP was built with; when they changed on every rank, agree on the new set and rebuild the DDP
+            wrapper with the same options, so newly trainable parameters are all-reduced (and frozen ones no longer
+            awaited). A set that changed differently, or on some ranks only, raises
+            :class:`~ddp_strategy.errors.RankDivergenceError`. Default: ``True``.
         **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
 
     Raises:
-        ValueError: ``barrier_timeout`` or ``heartbeat_interval`` is not a positive number.
+        ValueError: ``barrier_timeout`` or ``heartbeat_interval`` is not a positive number, or ``weight_check`` is
+            not one of its values.
 
     """
 
@@ -131,6 +168,10 @@ class SafeDDPStrategy(DDPStrategy):
         exact_evaluation: bool = True,
         predictions_on: str = "global_zero",
         sharding_check: str | None = "warn",
+        uneven_inputs: str | None = "raise",
+        weight_check: str | int | None = "epoch",
+        weight_check_exclude: Sequence[str] = (),
+        track_trainable_set: bool = True,
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -163,6 +204,33 @@ class SafeDDPStrategy(DDPStrategy):
             choices = sorted(_SHARDING_CHECK)
             raise ValueError(f"`sharding_check` must be one of {choices} or None, got {sharding_check!r}.")
         self.sharding_check = sharding_check
+        if uneven_inputs is not None and uneven_inputs not in _UNEVEN_INPUTS:
+            choices = sorted(_UNEVEN_INPUTS)
+            raise ValueError(f"`uneven_inputs` must be one of {choices} or None, got {uneven_inputs!r}.")
+        self.uneven_inputs = uneven_inputs
+        periodic = isinstance(weight_check, int) and not isinstance(weight_check, bool)
+        if not (weight_check is None or weight_check in _WEIGHT_CHECK or (periodic and int(weight_check) >= 1)):
+            raise ValueError(
+                f"`weight_check` must be one of {sorted(_WEIGHT_CHECK)}, a positive number of steps, or None, got "
+                f"{weight_check!r}."
+            )
+        self.weight_check = weight_check
+        # The check before saves and the one at epoch ends share one comparison (and its record of the last step).
+        self._weight_check: WeightSyncCheck | None = (
+            None
+            if weight_check is None
+            else WeightSyncCheck(
+                int(weight_check) if periodic else None,
+                at_epoch_end=weight_check != "save",
+                exclude=weight_check_exclude,
+                norm_statistics=False,
+            )
+        )
+        self.track_trainable_set = track_trainable_set
+        self._trainable: TrainableSetWatcher | None = None
+        self._train_batches = 0  # training batches started in this fit (the same count on every rank)
+        #: How many times the set of trainable parameters changed, and DDP's wrapper was rebuilt, in the last fit.
+        self.trainable_set_changes = 0
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -251,6 +319,23 @@ class SafeDDPStrategy(DDPStrategy):
             ensure_sharding_check(trainer, "raise" if self.sharding_check == "raise" else "warn")
         if self.async_save and self._overlap_snapshots:
             install_snapshot_gate(trainer, self._wait_for_snapshot)
+        self._setup_weight_checks(trainer)
+
+    def _setup_weight_checks(self, trainer: pl.Trainer) -> None:
+        """Remember the trainable set DDP was built with, and add the epoch-end (or every-N-steps) weight check."""
+        self._train_batches = 0
+        self.trainable_set_changes = 0
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        wrapped = isinstance(self.model, DistributedDataParallel)
+        self._trainable = TrainableSetWatcher() if self.track_trainable_set and fitting and wrapped else None
+        if self._trainable is not None and isinstance(self.model, DistributedDataParallel):
+            self._trainable.track(self.model)
+        check = self._weight_check
+        if check is not None:
+            check.reset()  # added after the callbacks' setup hooks ran: forget a previous fit's steps here
+        periodic = check is not None and (check.at_epoch_end or check.every_n_steps is not None)
+        if check is not None and periodic and self.world_size > 1 and not has_callback(trainer, check):
+            add_callback(trainer, check)
 
     @override
     def on_train_start(self) -> None:
@@ -282,11 +367,50 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._control is not None and self.lightning_module is not None:
-            self._control.note_step(self.lightning_module.trainer.global_step)
+        # Runs after the callbacks' and the module's on_train_batch_start (and on_train_epoch_start, where
+        # BackboneFinetuning unfreezes) and before the forward: a change of requires_grad made there is followed now.
+        self._train_batches += 1
+        trainer = self._trainer_or_none()
+        step = trainer.global_step if trainer is not None else 0
+        if self._trainable is not None and self._trainable.changed():  # one attribute read per parameter, no I/O
+            self._follow_trainable_set(step)
+        if self._control is not None:  # after the test: "training step" at this batch count means "went past it"
+            self._control.note_step(step, batch=self._train_batches)
         if self._resumed is not None:  # resumed mid-epoch: continue the saved RNG stream from this batch on
             self._restore_rng()
         super().on_train_batch_start(batch, batch_idx)
+
+    def _follow_trainable_set(self, step: int) -> None:
+        """Agree with the other ranks on the new trainable set (and on the weights), then rebuild DDP's wrapper."""
+        watcher, control = self._trainable, self._control
+        if watcher is None or control is None or not isinstance(self.model, DistributedDataParallel):
+            return
+        start = time.perf_counter()
+        change = watcher.current()
+        check = self._weight_check
+        weights = (
+            check.agreement.comparison(
+                self.model, when=f"by step {step}", name=f"trainable-set-weights:batch-{self._train_batches}"
+            )
+            if check is not None
+            else None
+        )
+        agree_on_trainable_set(control, change, batch=self._train_batches, step=step, weights=weights)
+        if getattr(self.model, "mixed_precision", None) is not None:  # its hooks sit on the module, bound to the old
+            raise DDPStrategyError(
+                "The set of trainable parameters changed after DDP was built "
+                f"({describe_change(change)}), but DDP's prototype `mixed_precision` option registers hooks on the "
+                "module that a rebuilt wrapper cannot take over. Change `requires_grad` before fit, use Lightning's "
+                "`precision=` instead of DDP's `mixed_precision`, or pass SafeDDPStrategy(track_trainable_set=False)."
+            )
+        watcher.track(rebuild_ddp_wrapper(self))
+        self.trainable_set_changes += 1
+        took = (time.perf_counter() - start) * 1000
+        rank_zero_info(
+            f"ddp_strategy: the set of trainable parameters changed before training step {step} "
+            f"({describe_change(change)}; {change.trainable} parameters require a gradient now). DDP's wrapper was "
+            f"rebuilt with the same options, so exactly these are all-reduced ({took:.1f} ms)."
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -383,8 +507,12 @@ class SafeDDPStrategy(DDPStrategy):
     ) -> None:
         """Collective save: every rank's RNG state goes into the file rank 0 writes; all ranks learn the outcome.
 
+        With ``weight_check`` on (the default), the ranks' weight fingerprints travel with the RNG states, and the
+        checkpoint is written only when every rank holds the same weights.
+
         Raises:
             CheckpointWriteError: on every rank when the write failed; the previous checkpoint is intact.
+            RankDivergenceError: on every rank when the ranks' weights differ; nothing was written.
 
         """
         if self._control is None:  # outside a run (e.g. after teardown): plain rank-0 save
@@ -405,6 +533,16 @@ class SafeDDPStrategy(DDPStrategy):
                     f"An earlier asynchronous checkpoint write failed: {previous}", path=str(filepath)
                 )
 
+        trainer = self._trainer_or_none()
+        step = trainer.global_step if trainer is not None else int(checkpoint.get("global_step", 0))
+        check = self._weight_check
+        weights = (
+            check.agreement.comparison(
+                self.model, when=f"by step {step}", name=f"checkpoint-weights:{os.path.basename(str(filepath))}"
+            )
+            if check is not None and self.model is not None
+            else None
+        )
         protocol.save(
             control=self._control,
             write=write,
@@ -412,7 +550,10 @@ class SafeDDPStrategy(DDPStrategy):
             path=str(filepath),
             is_writer=self._is_writer,
             every_writer_needs_states=self.save_on == "node_zero",
+            weights=weights,
         )
+        if check is not None and weights is not None:
+            check.agreement.last_step = step  # the ranks agreed at this step: the epoch-end check need not repeat it
 
     @property
     def _is_writer(self) -> bool:
@@ -554,6 +695,7 @@ class SafeDDPStrategy(DDPStrategy):
             return dataloader
         skip = int(self._resumed["skip_batches"])
         if skip:  # resumed mid-epoch: continue after the batches already trained on; RNG at the first batch
+            count_checkpointed_batch_as_completed(trainer)
             resumed = skip_consumed_batches(dataloader, skip)
             if resumed is None:
                 rank_zero_warn(
@@ -562,7 +704,7 @@ class SafeDDPStrategy(DDPStrategy):
                     "this epoch starts over from its first batch. Checkpoint at epoch ends for exact resumption."
                 )
             return resumed if resumed is not None else dataloader
-        if not _persistent_workers(dataloader):
+        if not _persistent_workers(dataloader) and not restore_before_second_train_iterator(trainer, self._restore_rng):
             self._restore_rng()  # else: the uninterrupted run drew no seed here; restore at the first batch
         return dataloader
 
@@ -575,7 +717,8 @@ class SafeDDPStrategy(DDPStrategy):
             rank_zero_warn(warning)
 
     # ------------------------------------------------------------------ handshake
-    def _rank_facts(self, with_tensors: bool) -> RankFacts:
+    def _rank_facts(self, with_tensors: bool, training: bool = False) -> RankFacts:
+        trainer = self._trainer_or_none()
         return collect_facts(
             rank=self.global_rank,
             local_rank=self.local_rank,
@@ -583,7 +726,8 @@ class SafeDDPStrategy(DDPStrategy):
             world_size=self.world_size,
             device=self.root_device,
             module=self.model if with_tensors else None,
-            sampler_seeds=train_sampler_seeds(self._trainer_or_none()) if with_tensors else None,
+            sampler_seeds=train_sampler_seeds(trainer) if with_tensors else None,
+            training_batches=trainer.num_training_batches if training and trainer is not None else None,
         )
 
     def _trainer_or_none(self) -> pl.Trainer | None:
@@ -599,9 +743,10 @@ class SafeDDPStrategy(DDPStrategy):
             return
         assert self.model is not None  # set by connect() before any stage starts
         start = time.perf_counter()
-        facts = self._rank_facts(True)
+        facts = self._rank_facts(True, training=stage == "train")
         gathered = self._control.all_gather_object(facts, name=f"handshake:{stage}", site=call_site(skip=2))
         check_facts(gathered)
+        self._check_training_batches(gathered)
         self.last_handshake_seconds = time.perf_counter() - start
         self._handshake_done = True
         warning = seed_report(gathered)
@@ -614,6 +759,15 @@ class SafeDDPStrategy(DDPStrategy):
             f"ddp_strategy: {stage} handshake passed on {self.world_size} rank(s) "
             f"({len(facts.tensors)} tensors compared) in {self.last_handshake_seconds * 1000:.1f} ms"
         )
+
+    def _check_training_batches(self, gathered: list[RankFacts]) -> None:
+        message = check_training_batches(gathered) if self.uneven_inputs is not None else None
+        if message is None:
+            return
+        if self.uneven_inputs == "warn":
+            rank_zero_warn(f"ddp_strategy: {message}")
+            return
+        raise UnevenInputsError(message, batches=[f.training_batches or 0.0 for f in gathered])
 
 
 def _elastic_attempt_store(world_size: int, timeout: timedelta | None) -> Any:

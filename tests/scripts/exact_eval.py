@@ -165,6 +165,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where a rank is
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL data plane)")
     parser.add_argument("--strategy", default="safe_ddp")
     parser.add_argument("--sizes", default=",".join(str(n) for n in range(POOL + 1)))
     parser.add_argument("--batch-sizes", default="1,2,5")
@@ -179,7 +180,7 @@ def main() -> None:
     model = EvalModel(len(cfgs), step_sync=args.step_sync)
     strategy: Any = "auto" if args.devices == 1 else args.strategy
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_epochs=1,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import json
 import os
 import resource
@@ -62,6 +63,12 @@ class TinyModel(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def setup(self, stage: str) -> None:
+        if self.scenario == "torch_version_differs" and self.trainer.global_rank == 1:
+            # as if rank 1's node had another torch installed: the version the handshake reads differs
+            torch.__version__ = "2.0.0"  # type: ignore[assignment]
+            print(f"scenario: rank 1 reports torch {torch.__version__}", flush=True)
 
     def on_train_start(self) -> None:
         if self.scenario == "diverge_after_wrap" and self.trainer.global_rank == 1:
@@ -121,8 +128,71 @@ def loaders(n: int = 64, num_workers: int = 0, persistent: bool = False) -> tupl
     return train, DataLoader(ds, batch_size=8)
 
 
+class StackDump(pl.Callback):
+    """Write every thread's Python stack to DIR/rank<g>.txt ``after`` seconds past on_train_start (faulthandler, so it
+    works while the rank is blocked in C++). Rank 0 dumps 2 s after the others and then exits the job, so the other
+    ranks' dumps show them still waiting, and rank 0's is taken before any peer has gone."""
+
+    def __init__(self, directory: str, after: float) -> None:
+        self.directory, self.after = directory, after
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        rank = trainer.global_rank
+        self.file = open(os.path.join(self.directory, f"rank{rank}.txt"), "w")  # noqa: SIM115 (open until the dump)
+        faulthandler.dump_traceback_later(self.after + (2 if rank == 0 else 0), file=self.file, exit=rank == 0)
+
+
+class LoadReport(pl.Callback):
+    """Write DIR/rank<g>.json with this rank's root device and the devices of every tensor of the loaded checkpoint
+    (the dict Lightning restores from, as the strategy's ``load_checkpoint`` returned it)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        devices: set[str] = set()
+
+        def walk(obj: Any) -> None:
+            if isinstance(obj, torch.Tensor):
+                devices.add(str(obj.device))
+            elif isinstance(obj, dict):
+                for value in obj.values():
+                    walk(value)
+            elif isinstance(obj, (list, tuple)):
+                for value in obj:
+                    walk(value)
+
+        walk({k: v for k, v in checkpoint.items() if k != "ddp_strategy"})  # RNG states stay on the CPU by design
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"root_device": str(trainer.strategy.root_device), "devices": sorted(devices)}, f)
+
+
+class BatchLog(pl.Callback):
+    """Write DIR/rank<g>.json: the training batches this rank received in the first epoch (their inputs, rounded)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.batches = directory, []  # type: ignore[var-annotated]
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == 0:
+            self.batches.append([round(v, 6) for v in batch[0].flatten().tolist()])
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.batches, f)
+
+
 def callbacks(args: argparse.Namespace) -> list[Any]:
     found: list[Any] = [checkpointing(args)] if args.ckpt_dir else []
+    if args.batch_log:
+        found.append(BatchLog(args.batch_log))
+    if args.load_report:
+        found.append(LoadReport(args.load_report))
+    if args.dump_stacks_after:
+        found.append(StackDump(args.dump_dir, args.dump_stacks_after))
     if args.hang_watchdog:
         found.append(HangWatchdog(args.hang_watchdog, dump_dir=args.hang_dir, grace_period=args.hang_grace))
     if args.straggler:
@@ -230,6 +300,7 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--save-weights", help="rank 0 saves the final state_dict here")
+    parser.add_argument("--save-rank-weights", help="every rank saves its final state_dict to DIR/rank<g>.pt")
     parser.add_argument("--hang-watchdog", type=float, default=0, help="add HangWatchdog(timeout=S)")
     parser.add_argument("--hang-dir", help="HangWatchdog(dump_dir=...)")
     parser.add_argument("--hang-grace", type=float, default=3.0, help="HangWatchdog(grace_period=...)")
@@ -244,6 +315,10 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=0, help="training samples (default 64)")
     parser.add_argument("--fault", action="append", help="FaultInjector fault KIND:RANK:STEP[:ARG] (repeatable)")
     parser.add_argument("--rank-report", help="every rank writes its ranks and checkpoint role to DIR/rank<g>.json")
+    parser.add_argument("--dump-stacks-after", type=float, default=0, help="StackDump: seconds after train start")
+    parser.add_argument("--dump-dir", help="StackDump: where rank<g>.txt go")
+    parser.add_argument("--load-report", help="every rank writes the devices of the checkpoint it loaded to DIR")
+    parser.add_argument("--batch-log", help="every rank writes its first epoch's training batches to DIR")
     args = parser.parse_args()
 
     def report_process_group_at_exit() -> None:  # registered first, so it runs after the strategy's own handler
@@ -276,7 +351,7 @@ def main() -> None:
     for _ in range(runs):
         trainer = pl.Trainer(
             accelerator=args.accelerator,
-            devices=[0, 0] if args.scenario == "duplicate_gpu" else args.devices,
+            devices=args.devices,
             num_nodes=args.num_nodes,
             strategy=make_strategy(),
             max_epochs=args.max_epochs,
@@ -296,6 +371,9 @@ def main() -> None:
         report_ranks(trainer, args.rank_report)
     if trainer.is_global_zero and args.save_weights:
         torch.save(model.state_dict(), args.save_weights)
+    if args.save_rank_weights:
+        os.makedirs(args.save_rank_weights, exist_ok=True)
+        torch.save(model.state_dict(), os.path.join(args.save_rank_weights, f"rank{trainer.global_rank}.pt"))
     if trainer.is_global_zero:
         result = {
             "scenario": args.scenario,

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from . import SUPPORTED_LIGHTNING, supports_lightning
+from .torch import ddp_comm_hooks, detach_ddp_reducer, reset_per_bucket_hook_state
 
 __all__ = [
+    "FIT_TAKES_WEIGHTS_ONLY",
     "NAMESPACE",
     "VERSION",
     "Callback",
@@ -37,16 +39,20 @@ __all__ = [
     "TrainerFn",
     "add_callback",
     "collect_rng_states",
+    "count_checkpointed_batch_as_completed",
     "dataloader_init_args",
     "destroy_default_process_group",
     "fabric",
     "find_callback",
+    "has_callback",
     "init_default_process_group",
     "move_data_to_device",
     "pl",
     "rank_zero_info",
     "rank_zero_warn",
+    "rebuild_ddp_wrapper",
     "reinstantiate_dataloader",
+    "restore_before_second_train_iterator",
     "route_resume_path",
     "set_rng_states",
     "set_sampler_epoch",
@@ -106,6 +112,8 @@ CheckpointIO = fabric.plugins.CheckpointIO
 rank_zero_warn = pl.utilities.rank_zero_warn
 rank_zero_info = pl.utilities.rank_zero_info
 move_data_to_device = fabric.utilities.apply_func.move_data_to_device
+#: Whether ``Trainer.fit``/``validate``/``test``/``predict`` take ``weights_only`` (Lightning >= 2.6).
+FIT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(pl.Trainer.fit).parameters
 #: What Lightning accepts as a checkpoint path.
 CheckpointPath = str | Path
 #: The type of the registry passed to ``Strategy.register_strategies``.
@@ -162,6 +170,11 @@ def training_dataloaders(trainer: Any) -> list[object]:
 def find_callback(trainer: Any, kind: type) -> Any | None:
     """The first of the Trainer's callbacks that is a ``kind``, or ``None``."""
     return next((callback for callback in trainer.callbacks if isinstance(callback, kind)), None)
+
+
+def has_callback(trainer: Any, callback: Any) -> bool:
+    """Whether this very ``callback`` object is among the Trainer's callbacks."""
+    return any(other is callback for other in trainer.callbacks)
 
 
 def add_callback(trainer: Any, callback: Any, *, first: bool = False, replace: type | None = None) -> None:
@@ -232,6 +245,44 @@ def route_resume_path(trainer: Any, choose: Callable[[str | None], str | None], 
     connector.resume_start = resume_start
 
 
+def count_checkpointed_batch_as_completed(trainer: Any) -> None:
+    """Lightning < 2.5.0: count the batch a step checkpoint was saved after (in ``on_train_batch_end``) as completed.
+
+    Lightning 2.5.0 added that step (``_TrainingEpochLoop`` restart stage ``RESTARTED_ON_TRAIN_BATCH_END``); 2.4
+    resets ``ready`` to ``completed``, one batch short, so ``batch_idx`` restarts one low and the epoch-end validation
+    (``(batch_idx + 1) % val_check_batch``) is skipped. Call before the epoch loop's ``reset``.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if hasattr(type(epoch_loop), "restarted_on_train_batch_end"):
+        return
+    progress = epoch_loop.batch_progress
+    total = progress.total
+    if total.ready == total.started == total.processed and total.completed == total.processed - 1:
+        progress.increment_completed()
+        epoch_loop._batches_that_stepped += 1  # as 2.5's reset does (the logging step of the next batch)
+
+
+def restore_before_second_train_iterator(trainer: Any, restore: Callable[[], None]) -> bool:
+    """Lightning < 2.5.3: call ``restore`` right before the epoch loop creates the training iterator again.
+
+    Resuming at an epoch boundary, ``FitLoop.setup_data`` creates the training iterator and then, before 2.5.3
+    (``_Loop.is_resuming``), ``_TrainingEpochLoop.on_run_start`` creates another one: each draws a seed from the
+    global RNG. Returns whether ``restore`` was deferred (else the caller restores now).
+    """
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    if hasattr(type(fit_loop), "is_resuming") or trainer.current_epoch == 0 or epoch_loop.restarting:
+        return False
+
+    def on_run_start(*args: Any, **kwargs: Any) -> Any:
+        del epoch_loop.on_run_start  # once: the class's method again
+        restore()
+        return epoch_loop.on_run_start(*args, **kwargs)
+
+    epoch_loop.on_run_start = on_run_start
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- private: processes
 def init_default_process_group(strategy: Any, store: Callable[[int, timedelta | None], Any]) -> bool:
     """``DDPStrategy.setup_distributed`` without NCCL's eager ``device_id`` initialisation.
@@ -263,3 +314,39 @@ def init_default_process_group(strategy: Any, store: Callable[[int, timedelta | 
 def destroy_default_process_group() -> None:
     """Lightning's clean destruction of the default process group (a no-op when there is none)."""
     fabric.utilities.distributed._destroy_dist_connection()
+
+
+# ---------------------------------------------------------------------------------------------- private: DDP wrapper
+def rebuild_ddp_wrapper(strategy: Any) -> Any:
+    """Wrap the strategy's module in a new ``DistributedDataParallel``, built as Lightning built the current one.
+
+    DDP decides once, when it is constructed, which parameters it reduces (those requiring a gradient then). To
+    follow a change of ``requires_grad``, this calls the strategy's own ``_setup_model`` again (Lightning's: the
+    strategy's DDP keyword arguments such as ``static_graph``, ``find_unused_parameters``,
+    ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``; the device ids; the CUDA side stream; or a
+    subclass's override) on the same module, so parameters, and the optimizers' references to them, stay the same
+    objects. The new wrapper gets the old one's communication hooks (Lightning's ``ddp_comm_hook`` and any registered
+    by the user; per-bucket state such as PowerSGD's is reset), its gradient-sync flags (so a rebuild inside
+    ``no_sync`` stays inside it) and its training flag. The old wrapper's reducer is detached from the parameters,
+    and Lightning's "first static-graph iteration done" flag (manual optimization) is reset for the new wrapper.
+
+    Like DDP's constructor, this runs collectives on the default process group (with ``init_sync``, the default:
+    a shape check and a broadcast of rank 0's parameters and buffers): every rank must call it.
+
+    Returns:
+        The new wrapper, now ``strategy.model``.
+
+    """
+    old = strategy.model
+    new = strategy._setup_model(old.module)
+    for hook, state in ddp_comm_hooks(old):
+        reset_per_bucket_hook_state(state)
+        new.register_comm_hook(state, hook)
+    new.require_backward_grad_sync = old.require_backward_grad_sync
+    new.require_forward_param_sync = old.require_forward_param_sync
+    new.training = old.training  # not .train(): that would also switch every submodule's mode
+    detach_ddp_reducer(old)
+    strategy.model = new
+    if hasattr(strategy, "_pl_static_graph_delay_done"):  # Lightning >= 2.6
+        strategy._pl_static_graph_delay_done = False
+    return new

@@ -10,7 +10,10 @@ durable. Nothing is buffered in RAM beyond ``torch.save``'s own chunks. Remote f
 temporary file, uploaded, and verified by size and footer.
 
 Loading verifies the integrity record first (:func:`~ddp_strategy.checkpoint.format.verify`), then calls
-``torch.load`` with ``weights_only=True`` unless the caller explicitly passes ``weights_only=False``.
+``torch.load`` with ``weights_only=True`` unless the caller explicitly passes ``weights_only=False``. torch's own
+switches are honoured as ``torch.load`` honours them (:func:`resolve_weights_only`):
+``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces ``weights_only=True`` even over an explicit ``False``;
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` allows pickled objects when the caller did not pass ``weights_only``.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import logging
 import os
 import pickle
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from .._compat.lightning import CheckpointIO, CheckpointPath
+from .._compat.lightning import FIT_TAKES_WEIGHTS_ONLY, CheckpointIO, CheckpointPath
 from ..errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
 from .atomic import EarlyWriteback, atomic_file
 from .format import (
@@ -41,12 +45,56 @@ from .format import (
 )
 from .keys import WORLD_SIZE_KEY, package_state
 
-__all__ = ["SafeCheckpointIO"]
+__all__ = ["FORCE_NO_WEIGHTS_ONLY", "FORCE_WEIGHTS_ONLY", "SafeCheckpointIO", "resolve_weights_only"]
 
 log = logging.getLogger(__name__)
 
 
 _CAN_SKIP_ZIP_CRCS = hasattr(torch.serialization, "set_crc32_options")  # torch >= 2.6
+
+#: torch's switch that makes every ``torch.load`` weights-only, even one that passes ``weights_only=False``.
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+#: torch's escape hatch: ``torch.load`` calls that do not pass ``weights_only`` load arbitrary pickled objects.
+FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+#: How to load a trusted checkpoint that holds pickled objects, with the Lightning release in use.
+_ALLOW_PICKLES = (
+    f"trainer.fit(..., weights_only=False) or set {FORCE_NO_WEIGHTS_ONLY}=1 (torch's switch)"
+    if FIT_TAKES_WEIGHTS_ONLY
+    else f"{FORCE_NO_WEIGHTS_ONLY}=1 set (torch's switch; this Lightning release's trainer.fit has no weights_only)"
+)
+_TRUE = ("1", "y", "yes", "true")  # the values torch.load accepts as set
+
+
+def _set(variable: str) -> bool:
+    return os.getenv(variable, "0").lower() in _TRUE
+
+
+def resolve_weights_only(weights_only: bool | None) -> tuple[bool, str | None]:
+    """Whether a load is weights-only, deciding as ``torch.load`` does with its two environment variables.
+
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` set (``1``, ``y``, ``yes`` or ``true``, any case): weights-only, whatever the
+    caller passed. ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` set: pickled objects are allowed when the caller passed
+    nothing (``None``); an explicit ``True`` stays. Neither: weights-only unless the caller passed ``False``.
+
+    Returns:
+        ``(weights_only, variable)``: ``variable`` is the environment variable that decided against what the caller
+        passed (or, for ``None``, against the weights-only default), else ``None``.
+
+    Raises:
+        RuntimeError: both variables are set (``torch.load`` raises the same).
+
+    """
+    force, force_no = _set(FORCE_WEIGHTS_ONLY), _set(FORCE_NO_WEIGHTS_ONLY)
+    if force and force_no:
+        raise RuntimeError(
+            f"Only one of `{FORCE_WEIGHTS_ONLY}` or `{FORCE_NO_WEIGHTS_ONLY}` should be set, but both were set "
+            "(torch.load refuses this too). Unset one of them."
+        )
+    if force:
+        return True, FORCE_WEIGHTS_ONLY if weights_only is False else None
+    if force_no and weights_only is None:
+        return False, FORCE_NO_WEIGHTS_ONLY
+    return weights_only is not False, None
 
 
 @contextlib.contextmanager
@@ -64,6 +112,26 @@ def _zip_crcs_off() -> Iterator[None]:
         yield
     finally:
         torch.serialization.set_crc32_options(previous)
+
+
+def _torch_load(file: Any, map_location: Any, *, weights_only: bool, path: str) -> Any:
+    """``torch.load``; a file it cannot read is a :class:`CheckpointIntegrityError`.
+
+    Raises:
+        pickle.UnpicklingError: with ``weights_only``, the file holds pickled objects other than tensors.
+        CheckpointIntegrityError: the file cannot be read.
+
+    """
+    try:
+        return torch.load(file, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if weights_only:
+            raise
+        raise CheckpointIntegrityError(f"Checkpoint '{path}' cannot be unpickled: {err}", path=path) from err
+    except (RuntimeError, EOFError) as err:
+        raise CheckpointIntegrityError(
+            f"Checkpoint '{path}' could not be read by torch.load: {err}", path=path
+        ) from err
 
 
 def _is_local(path: str) -> bool:
@@ -201,12 +269,16 @@ class SafeCheckpointIO(CheckpointIO):
             map_location: passed to ``torch.load``; ``SafeDDPStrategy`` passes each rank's own device.
             weights_only: ``None`` or ``True`` loads only tensors and primitive containers; a checkpoint carrying
                 other pickled objects is refused before anything in it runs. Pass ``False`` explicitly to allow
-                arbitrary pickled objects from a checkpoint you trust.
+                arbitrary pickled objects from a checkpoint you trust. torch's environment variables apply as in
+                ``torch.load`` (see :func:`resolve_weights_only`); when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is what
+                lets pickled objects load, a warning names it.
 
         Raises:
             FileNotFoundError: no file at ``path``.
             CheckpointIntegrityError: the file is truncated, altered, a directory, or not a checkpoint.
-            UnsafeCheckpointError: the file needs arbitrary unpickling and ``weights_only`` was not ``False``.
+            UnsafeCheckpointError: the file needs arbitrary unpickling and ``weights_only`` was not ``False`` (or
+                ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` is set).
+            RuntimeError: both of torch's weights-only environment variables are set.
 
         """
         path = str(path)
@@ -217,27 +289,47 @@ class SafeCheckpointIO(CheckpointIO):
                 "cannot be verified; loading it as is.",
                 path,
             )
-        safe = weights_only is not False
+        safe, variable = resolve_weights_only(weights_only)
+        # Under TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, try weights-only first: a file without pickled objects loads the
+        # same either way, and only a file that needs the variable is read again, with a warning naming it.
+        trial = safe or variable is not None
         fs = filesystem(path)
         with fs.open(path, "rb") as file:
             try:
-                loaded = torch.load(file, map_location=map_location, weights_only=safe)
+                return self._checked(_torch_load(file, map_location, weights_only=trial, path=path), path)
             except pickle.UnpicklingError as err:
-                if not safe:
-                    raise CheckpointIntegrityError(
-                        f"Checkpoint '{path}' cannot be unpickled: {err}", path=path
-                    ) from err
-                raise UnsafeCheckpointError(
-                    f"Checkpoint '{path}' contains pickled Python objects that are not plain tensors or containers, "
-                    f"so it was refused and nothing in it was run ({str(err).splitlines()[0]}). If you trust its "
-                    "source, load it with trainer.fit(..., weights_only=False); otherwise keep only tensors and "
-                    "primitives in hyperparameters and callback/module state.",
-                    path=path,
-                ) from err
-            except (RuntimeError, EOFError) as err:
-                raise CheckpointIntegrityError(
-                    f"Checkpoint '{path}' could not be read by torch.load: {err}", path=path
-                ) from err
+                if safe:
+                    raise self._refusal(path, err, variable) from err
+            warnings.warn(
+                f"ddp_strategy: checkpoint '{path}' contains pickled Python objects that are not plain tensors or "
+                f"containers; they are loaded (which runs code from the file) because {FORCE_NO_WEIGHTS_ONLY} is "
+                f"set and weights_only was not passed, as torch.load does. Unset {FORCE_NO_WEIGHTS_ONLY} to refuse "
+                "such files again.",
+                UserWarning,
+                stacklevel=2,
+            )
+            file.seek(0)
+            return self._checked(_torch_load(file, map_location, weights_only=False, path=path), path)
+
+    @staticmethod
+    def _refusal(path: str, err: pickle.UnpicklingError, variable: str | None) -> UnsafeCheckpointError:
+        forced = (
+            f" {FORCE_WEIGHTS_ONLY} is set, which makes every load weights-only, even with weights_only=False (as "
+            "in torch.load); unset it to load this file."
+            if variable == FORCE_WEIGHTS_ONLY
+            else ""
+        )
+        return UnsafeCheckpointError(
+            f"Checkpoint '{path}' contains pickled Python objects that are not plain tensors or containers, so it "
+            f"was refused and nothing in it was run ({str(err).splitlines()[0]}).{forced} If you trust its source, "
+            f"load it with {_ALLOW_PICKLES}; otherwise keep only tensors and primitives in hyperparameters and "
+            "callback/module state.",
+            path=path,
+        )
+
+    @staticmethod
+    def _checked(loaded: Any, path: str) -> dict[str, Any]:
+        """``loaded`` when it is a checkpoint dict."""
         if not isinstance(loaded, dict):
             raise CheckpointIntegrityError(
                 f"'{path}' holds a {type(loaded).__name__}, not a Lightning checkpoint dict.", path=path

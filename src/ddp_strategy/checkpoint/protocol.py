@@ -2,10 +2,14 @@
 
 Save (every rank calls :func:`save`):
 
-1. every rank sends its RNG state to the writer (one gather on the control plane);
-2. the writer (global rank 0) adds them to the checkpoint and writes it with the ``CheckpointIO``;
+1. every rank sends its RNG state, and the fingerprints of the weights that must agree, to the writer (one gather on
+   the control plane);
+2. the writer (global rank 0) compares the fingerprints; when every rank holds the same weights it adds the RNG
+   states to the checkpoint and writes it with the ``CheckpointIO``, else it writes nothing;
 3. every rank agrees on the outcome (one :meth:`~ddp_strategy.control.ControlPlane.agree`); when a writer failed,
-   every rank raises :class:`CheckpointWriteError` with the first failing writer's message. Returning from
+   every rank raises :class:`CheckpointWriteError` with the first failing writer's message; when the weights
+   differ, every rank raises :class:`~ddp_strategy.errors.RankDivergenceError` (after one more gather, of the
+   differing tensors, for the message) and the checkpoints already on disk are unchanged. Returning from
    :func:`save` means the file is complete on disk: no rank can read a checkpoint before it exists.
 
 Load (every rank calls :func:`load`): rank 0 verifies the requested file; when it is a ``last`` checkpoint that
@@ -24,6 +28,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..consistency import Comparison, Divergence, compare
 from ..control import ControlPlane, RankFailure, also_failed, first_failure
 from ..errors import (
     CheckpointIntegrityError,
@@ -50,6 +55,7 @@ def save(
     path: str,
     is_writer: bool,
     every_writer_needs_states: bool = False,
+    weights: Comparison | None = None,
 ) -> None:
     """Collectively save ``checkpoint`` (see the module docstring). Every rank must call it.
 
@@ -60,23 +66,32 @@ def save(
         path: destination, for messages.
         is_writer: whether this rank writes a copy (global rank 0, or local rank 0 of each node).
         every_writer_needs_states: gather the RNG states onto every rank (several writers) instead of rank 0 only.
+        weights: the weights every rank must hold identically for the checkpoint to be written, or ``None``.
 
     Raises:
         CheckpointWriteError: on every rank, when any writer failed; the previous file is intact. A writer whose
             ``CheckpointIO`` raised anything but an error of this package re-raises that exception instead, after
             the other ranks have learnt it.
+        RankDivergenceError: on every rank, when the ranks hold different ``weights``; nothing was written.
 
     """
     name = os.path.basename(path)
-    mine = rng.capture()
+    mine = (rng.capture(), weights.digests() if weights is not None else None)
     if every_writer_needs_states:
-        states: list[Any] | None = control.all_gather_object(mine, name=f"checkpoint-save:{name}")
+        gathered: list[Any] | None = control.all_gather_object(mine, name=f"checkpoint-save:{name}")
     else:
-        states = control.gather_object(mine, name=f"checkpoint-save:{name}")
+        gathered = control.gather_object(mine, name=f"checkpoint-save:{name}")
+    states = [state for state, _ in gathered] if gathered is not None else None
 
-    def write_copy() -> None:
-        if is_writer:
-            write({**checkpoint, PACKAGE_KEY: {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}})
+    def write_copy() -> Divergence | None:
+        if not is_writer:
+            return None
+        if weights is not None and gathered is not None:
+            divergence = compare([digests for _, digests in gathered])
+            if divergence is not None:
+                return divergence  # never write a checkpoint of ranks that disagree
+        write({**checkpoint, PACKAGE_KEY: {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}})
+        return None
 
     def write_error(failed: list[RankFailure]) -> BaseException:
         unexpected = _own_unexpected(failed, control.rank)
@@ -89,7 +104,17 @@ def save(
             message = f"Rank {first.rank} failed to write checkpoint '{path}': {first.message}"
         return CheckpointWriteError(message + also_failed(failed), path=path)
 
-    control.agree(f"checkpoint-saved:{name}", write_copy, first_failure(write_error))
+    def decide(values: Sequence[Divergence | RankFailure | None]) -> Divergence | None:
+        outcomes = first_failure(write_error)(values)
+        return next((outcome for outcome in outcomes if outcome is not None), None)  # every writer found the same
+
+    divergence = control.agree(f"checkpoint-saved:{name}", write_copy, decide)
+    if divergence is not None and weights is not None:
+        raise weights.error(
+            control,
+            divergence,
+            outcome=f"Checkpoint '{path}' was not written; the checkpoints already on disk are unchanged.",
+        )
 
 
 def _own_unexpected(failed: list[RankFailure], rank: int) -> BaseException | None:

@@ -41,9 +41,24 @@ def capture() -> dict[str, Any]:
     return states
 
 
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor moved to the CPU (containers rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {key: _on_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(value) for value in obj)
+    return obj
+
+
 def restore(states: dict[str, Any]) -> None:
-    """Restore RNG states captured by :func:`capture` (CUDA states only when CUDA is in use here)."""
-    native = dict(states)
+    """Restore RNG states captured by :func:`capture` (CUDA states only when CUDA is in use here).
+
+    The states may arrive on an accelerator (the strategy loads a checkpoint with ``map_location`` set to the rank's
+    own device, which moves every tensor there); generator states are CPU tensors, so they are moved back first.
+    """
+    native = _on_cpu(dict(states))
     name, keys, pos, has_gauss, cached = native["numpy"]
     native["numpy"] = (
         name,

@@ -35,11 +35,13 @@ SHARED_MODULES = frozenset(
         "checkpoint.atomic",
         "checkpoint.format",
         "checkpoint.keys",
+        "consistency",
         "control",
         "errors",
         "fingerprint",
         "peers",
         "positions",
+        "trainable",
     }
 )
 

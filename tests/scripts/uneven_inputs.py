@@ -1,0 +1,73 @@
+"""A user script with hand-made, uneven per-rank shards (Lightning issues #11242, #9851).
+
+The user turns Lightning's DistributedSampler off and splits 60 samples by hand: rank 0 gets 32, rank 1 the
+other 28, so with batch size 4 rank 0 runs 8 steps per epoch and rank 1 runs 7. DDP all-reduces gradients at
+every step, so stock Lightning's rank 0 waits forever in its 8th step.
+
+Usage: python uneven_inputs.py --strategy safe_ddp|ddp [--uneven-inputs raise|warn]
+Every rank prints ``rank=R step=S`` after each training step and ``rank=R fit-done`` when ``fit`` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+from lightning_namespace import SafeDDPStrategy, pl
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+PER_RANK = 32
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        sys.stdout.write(f"rank={self.global_rank} step={batch_idx + 1}\n")  # one write: lines do not run together
+        sys.stdout.flush()
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(60, 8, generator=g), torch.randn(60, generator=g))
+        rank = self.global_rank
+        mine = Subset(data, range(rank * PER_RANK, min(len(data), (rank + 1) * PER_RANK)))  # the last rank: fewer
+        return DataLoader(mine, batch_size=4)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="safe_ddp")
+    parser.add_argument("--uneven-inputs", default="raise")
+    args = parser.parse_args()
+    pl.seed_everything(0)
+    strategy: Any = SafeDDPStrategy(uneven_inputs=args.uneven_inputs) if args.strategy == "safe_ddp" else "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regressor())
+    sys.stdout.write(f"rank={trainer.global_rank} fit-done\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

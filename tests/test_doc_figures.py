@@ -1,0 +1,248 @@
+"""Every measured figure that README.md and docs/ state is the figure in bench/results/, rounded as printed.
+
+The benchmarks write their results to ``bench/results/*.json``; the pages quote them. Each test below recomputes a
+quoted figure from those files and looks for it, in its sentence, on the page: a re-run benchmark whose figures
+moved, or a page edited to a figure nobody measured, fails here until the two agree again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import statistics
+from functools import cache
+from typing import Any
+
+import pytest
+
+from ddp_strategy.callbacks import StragglerMonitor, WeightSyncCheck
+from tests.proc import ROOT
+
+RESULTS = ROOT / "bench" / "results"
+
+
+@cache
+def result(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+@cache
+def page(name: str) -> str:
+    """A page's text with line breaks and runs of spaces made single spaces (sentences wrap anywhere)."""
+    return " ".join((ROOT / name).read_text().split())
+
+
+def assert_on(name: str, *phrases: str) -> None:
+    text = page(name)
+    missing = [p for p in phrases if p not in text]
+    assert not missing, f"{name} does not say {missing}"
+
+
+def suite_ratio(target: str, workload: str, world_size: int) -> float:
+    (row,) = [
+        r
+        for r in result("suite")["analysis"]["ratios"]
+        if (r["target"], r["workload"], r["world_size"]) == (target, workload, world_size)
+    ]
+    return float(row["ratio"])
+
+
+def suite_row(workload: str, world_size: int, variant: str) -> dict[str, Any]:
+    (row,) = [
+        r
+        for r in result("suite")["analysis"]["rows"]
+        if (r["workload"], r["world_size"], r["variant"]) == (workload, world_size, variant)
+    ]
+    return row
+
+
+def periodic(workload: str, world_size: int, variant: str, check: str) -> float:
+    """Median cost (s) of one periodic check in the suite's last full run."""
+    return float(suite_row(workload, world_size, variant)["periodic"][check]["cost_s"]["median"])
+
+
+def periodic_share(workload: str, world_size: int, variant: str, check: str) -> float:
+    """That check's cost per step at its default interval, as a share of the step (as bench/suite.py computes it)."""
+    row = suite_row(workload, world_size, variant)
+    info = row["periodic"][check]
+    return float(info["cost_s"]["median"] / info["every_n_steps"] / row["step_s"]["median"])
+
+
+def own_hooks_per_step(callback: type) -> float:
+    """CPU seconds per training step of the hooks ``callback`` defines itself (not the base class's empty ones)."""
+    per_hook = result("callback_cost")["per_hook_s"]
+    own = {name for name, value in vars(callback).items() if name.startswith("on_") and inspect.isfunction(value)}
+    prefix = f"{callback.__name__}."
+    found = {k.removeprefix(prefix): v for k, v in per_hook.items() if k.startswith(prefix)}
+    assert found, f"no hook of {callback.__name__} in callback_cost.json"
+    return sum(v for k, v in found.items() if k in own)
+
+
+def median_seconds(variant: str) -> float:
+    return float(result("checkpoint_save")["timing"][variant]["median"])
+
+
+# ---------------------------------------------------------------------------------------------- step time (suite)
+
+
+def test_safe_over_stock_step_time():
+    ratios = [suite_ratio("safe / stock", w, n) for w in ("cifar", "mlp") for n in (1, 2)]
+    assert_on("README.md", f"| {min(ratios):.3f} to {max(ratios):.3f} (target <= 1.01) |")
+    assert_on("bench/README.md", f"wall clock {min(ratios):.3f} to {max(ratios):.3f}")
+
+
+def test_every_callback_on_over_stock_step_time():
+    c1, c2, m1, m2 = (suite_ratio("safe_all / stock", w, n) for w in ("cifar", "mlp") for n in (1, 2))
+    assert_on("README.md", f"| {c1:.3f} and {c2:.3f} on CIFAR-10; {m1:.3f} and {m2:.3f} on the MLP,")
+
+
+def test_callback_hooks_measured_directly():
+    cost = result("callback_cost")
+    assert cost["model_parameters"] == 25_616_224  # "the MLP" of the suite (25.6M parameters)
+    assert_on(
+        "README.md",
+        f"the callbacks' hooks measured directly: {cost['hooks_cpu_per_step_s'] * 1e3:.1f} ms of CPU per step, "
+        f"{cost['fraction_of_step']:.2%} of the MLP's step",
+    )
+    assert_on("bench/README.md", f"{cost['fraction_of_step']:.2%} of an MLP step")
+
+
+# ---------------------------------------------------------------------------------------------- diagnostics
+
+
+def test_straggler_monitor_cost():
+    hooks_us = own_hooks_per_step(StragglerMonitor) * 1e6
+    comparison_ms = periodic("cifar", 2, "safe_straggler", "straggler") * 1e3
+    assert_on(
+        "README.md",
+        f"its hooks: {hooks_us:.0f} us of CPU per training step (one fit of the MLP above, timing included); "
+        f"{comparison_ms:.1f} ms per comparison of 2 CPU ranks (every 50 steps by default)",
+    )
+    assert_on(
+        "docs/diagnostics.md",
+        f"its hooks {hooks_us:.0f} us of CPU per training step; one small gather ({comparison_ms:.1f} ms median",
+        f"the monitor's four per-step hooks took {hooks_us:.0f} us of CPU per training step",
+        f"took {comparison_ms:.1f} ms median with 2 CPU ranks, so with the default `every_n_steps=50` it is below 1% "
+        "of any batch longer than 5 ms",
+    )
+    assert comparison_ms / 50 < 0.01 * 5  # the "below 1% of any batch longer than 5 ms" arithmetic
+    assert StragglerMonitor().every_n_steps == 50
+    per_step = {n for n, v in vars(StragglerMonitor).items() if n.startswith("on_") and inspect.isfunction(v)}
+    assert {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end"} <= per_step
+
+
+def test_weight_sync_check_cost():
+    hook_us = own_hooks_per_step(WeightSyncCheck) * 1e6
+    mlp = [periodic("mlp", n, "safe_all", "weight_sync") * 1e3 for n in (1, 2)]
+    cifar = sorted(periodic("cifar", 2, v, "weight_sync") * 1e3 for v in ("safe_all", "safe_ws"))
+    assert_on(
+        "docs/diagnostics.md",
+        f"{round(min(mlp))} to {round(max(mlp))} ms per check of a 25.6M-parameter model on the CPU",
+        f"its per-step hook {hook_us:.0f} us",
+        f"on the CIFAR-10 example at 2 ranks {cifar[0]:.1f} to {cifar[1]:.1f} ms per check",
+        f"takes {mlp[0]:.1f} ms per check at 1 rank and {mlp[1]:.1f} ms at 2 ranks",
+    )
+    assert_on("bench/README.md", f"{round(min(mlp))} to {round(max(mlp))} ms per check of the 102 MB MLP")
+    mlp_share = [periodic_share("mlp", n, "safe_all", "weight_sync") for n in (1, 2)]
+    cifar_share = sorted(periodic_share("cifar", 2, v, "weight_sync") for v in ("safe_all", "safe_ws"))
+    assert_on(
+        "docs/diagnostics.md",
+        f"{min(mlp_share):.2%} to {max(mlp_share):.2%} of a step at the default 100",
+        f"({cifar_share[0]:.2%} to {cifar_share[1]:.2%} of a step)",
+        f"({mlp_share[0]:.2%} and {mlp_share[1]:.2%} of a step at the default interval)",
+    )
+    assert WeightSyncCheck().every_n_steps == 100
+
+
+# ---------------------------------------------------------------------------------------------- handshake
+
+
+def test_handshake_cost():
+    rows = {(r["world_size"], r["model"]): r for r in result("handshake")["rows"]}
+    small = statistics.median(rows[(2, "small")]["handshake_seconds"])
+    large = statistics.median(rows[(2, "large")]["handshake_seconds"])
+    assert 50e6 <= rows[(2, "large")]["params"] < 51e6  # "a 50M-parameter model"
+    assert_on(
+        "README.md",
+        f"| {small * 1e3:.0f} ms median with 2 ranks and a small model; {large:.2f} s for a 50M-parameter model",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_synchronous_checkpoint_save():
+    safe, plain = median_seconds("safe"), median_seconds("torch.save")
+    timing = result("checkpoint_save")["timing"]
+    fastest = timing["safe"]["min"] / timing["torch.save"]["min"]
+    fsync = safe / median_seconds("torch.save+fsync")
+    extra_mib = result("checkpoint_save")["memory"]["safe"]["extra_bytes"]["median"] / 2**20
+    size_mib = result("checkpoint_save")["checkpoint"]["tensor_bytes"] / 2**20
+    assert round(size_mib) == 384
+    assert_on(
+        "README.md",
+        f"| {safe / plain:.2f}x a plain `torch.save` that waits for no disk (ratio of medians; {fastest:.2f} for the "
+        f"fastest samples), {fsync:.2f}x `torch.save` + `fsync`, {extra_mib:.1f} MiB of extra memory |",
+    )
+    assert_on(
+        "docs/checkpoints.md",
+        f"took {safe / plain:.2f} of the time of a plain `torch.save` that waits for no disk (ratio of medians; "
+        f"{fastest:.2f} for the fastest samples)",
+        f"It needs {extra_mib:.1f} MiB of extra memory",
+    )
+    assert round(fsync, 1) == 0.5  # "half the time of `torch.save` followed by `fsync`"
+    assert round(safe / median_seconds("safe before"), 1) == 0.3  # "a third of the previous format-1 save path"
+    assert round(safe / median_seconds("lightning"), 1) == 0.2  # "a fifth of Lightning's `TorchCheckpointIO`"
+    floor = median_seconds("durable floor")
+    assert_on("docs/checkpoints.md", f"took {floor / plain:.2f} of `torch.save`: the save is within about 10%")
+    assert 1.0 <= safe / floor <= 1.15  # "within about 10% of what the disk needs"
+    lightning = result("checkpoint_save")["memory"]["lightning"]["fraction"]
+    assert_on("docs/checkpoints.md", f"+{lightning['median']:.0%} of its size, median of {len(lightning['samples'])}")
+
+
+def test_asynchronous_checkpoint_save():
+    safe, overlap, blocking = median_seconds("safe"), median_seconds("async overlap"), median_seconds("async submit")
+    assert_on(
+        "README.md",
+        f'| {overlap * 1e3:.1f} ms ({overlap / safe:.3f} of a synchronous save; `async_snapshot="blocking"`: '
+        f"{blocking:.2f} s) |",
+    )
+    assert round(overlap * 1e3) == 2 and round(blocking, 2) == 0.04  # checkpoints.md: "about 2 ms", "about 0.04 s"
+    assert_on(
+        "docs/checkpoints.md",
+        "is blocked about 2 ms per 384 MiB save",
+        "(about 0.04 s per 384 MiB in steady state)",
+        'training is blocked about 2 ms per save (`"overlap"`) or about 0.04 s (`"blocking"`)',
+    )
+    steps = {k: v["median"] for k, v in result("checkpoint_save")["async_overlap_steps"].items()}
+    lost_overlap = overlap + steps["forward_backward"] - steps["reference"]
+    lost_blocking = blocking + steps["beside_blocking"] - steps["reference"]
+    assert_on(
+        "docs/checkpoints.md",
+        f'was {lost_overlap:.2f} s with `"overlap"`, {lost_blocking:.2f} s with `"blocking"` and {safe:.2f} s '
+        "for a synchronous save",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- exact evaluation
+
+
+def test_exact_evaluation_cost():
+    ev = result("exact_eval")
+    calls = {len(ev["runs"]["ddp"]), len(ev["runs"]["safe_ddp"])}
+    assert_on(
+        "README.md",
+        f"CIFAR-10 example, {ev['samples']} images, 2 ranks | {ev['ratio_test_call']:.2f}x stock Lightning's time for "
+        f"the whole call, {ev['ratio_epoch']:.2f}x for the test epoch (medians of {calls.pop()} calls each",
+    )
+    assert not calls  # both variants ran the same number of calls
+    assert ev["counted"] == {"ddp": ev["samples"] + 1, "safe_ddp": ev["samples"]}  # bench README: 2002 vs 2001
+
+
+@pytest.mark.parametrize("name", ["callback_cost", "checkpoint_save", "handshake", "suite"])
+def test_results_are_from_the_versions_bench_readme_names(name: str):
+    """The quoted runs used torch 2.14.1 and (where recorded) Lightning 2.6.6, as bench/README.md says."""
+    meta = result(name).get("meta") or result(name)["machine"]
+    assert meta["torch"].startswith("2.14.1")
+    assert meta.get("lightning", "2.6.6") == "2.6.6"
+    assert_on("bench/README.md", "torch 2.14.1", "lightning 2.6.6")

@@ -1,0 +1,100 @@
+"""tests/proc.py leaves no process behind, also when pytest-timeout fails a test while its script is still running.
+
+The suite runs pytest-timeout with ``timeout_method = "signal"``: the timeout raises inside the test, wherever it
+waits, so only a ``finally`` in ``run_script`` can kill the script's process group. Each test below runs an inner
+pytest (in a subprocess, with a 5 s ``--timeout``) whose one test starts ``tests/scripts/sleepers.py`` (a parent and
+two children that ignore SIGTERM and sleep for an hour) and waits for it far longer than that timeout. Afterwards
+the outer test looks up every pid the sleepers wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.proc import ROOT, _group_alive, kill_group
+
+pytestmark = pytest.mark.timeout(120)
+
+GUARDED = """
+from tests.proc import SCRIPTS, run_script
+
+
+def test_waits_longer_than_its_timeout():
+    run_script([str(SCRIPTS / "sleepers.py"), "--pids", {pids!r}], timeout=600)
+"""
+
+# The same wait without tests/proc.py: the control that shows the survivor check can see orphans at all.
+UNGUARDED = """
+import subprocess
+import sys
+
+from tests.proc import SCRIPTS
+
+
+def test_waits_longer_than_its_timeout():
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "sleepers.py"), "--pids", {pids!r}], start_new_session=True
+    )
+    proc.communicate(timeout=600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def run_inner(tmp_path: Path, source: str) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """Run ``source`` as a pytest file with ``--timeout 5``; return its outcome and the sleepers' pids (the parent's
+    last, once it has written it: then all three were running)."""
+    pids = tmp_path / "pids.txt"
+    test_file = tmp_path / "test_inner.py"
+    test_file.write_text(source.format(pids=str(pids)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    inner = subprocess.run(
+        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+         "--timeout", "5", "-o", "timeout_method=signal"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    lines = pids.read_text().splitlines() if pids.exists() else []
+    parent = [int(line.split()[1]) for line in lines if line.startswith("parent ")]
+    return inner, [int(line) for line in lines if not line.startswith("parent ")] + parent
+
+
+def test_timed_out_test_leaves_no_process_of_its_script_behind(tmp_path):
+    inner, pids = run_inner(tmp_path, GUARDED)
+    output = inner.stdout + inner.stderr
+    assert inner.returncode == 1, output  # the inner test failed ...
+    assert "Timeout (>5.0s) from pytest-timeout" in output, output  # ... because pytest-timeout fired
+    assert len(pids) == 3, (pids, output)  # the parent and both children were running when it fired
+    deadline = time.monotonic() + 10  # SIGKILLed children are reaped by init shortly after
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if alive(pid)], f"survivors of {pids}:\n{output}"
+    assert not _group_alive(pids[-1])  # the parent leads the script's process group
+
+
+def test_without_tests_proc_the_same_timeout_leaves_orphans(tmp_path):
+    """The control: a plain Popen + communicate, timed out the same way, leaves all three sleepers running."""
+    inner, pids = run_inner(tmp_path, UNGUARDED)
+    output = inner.stdout + inner.stderr
+    try:
+        assert inner.returncode == 1 and "Timeout (>5.0s) from pytest-timeout" in output, output
+        assert len(pids) == 3, (pids, output)
+        time.sleep(1)
+        assert all(alive(pid) for pid in pids), f"expected orphans, found {[p for p in pids if alive(p)]}"
+    finally:
+        for pid in pids:  # each sleeper's group (all three share one)
+            with contextlib.suppress(ProcessLookupError):
+                kill_group(os.getpgid(pid))

@@ -13,8 +13,10 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,3 +121,43 @@ def run_scenario(
     out = tmp_path / f"{name}.json"
     args = [str(SCRIPTS / "scenario.py"), name, "--out", str(out), *extra]
     return run_script(args, timeout=timeout, out=out, env=env)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_two_nodes(
+    tmp_path: Path,
+    *args: str,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    node1_prefix: list[str] | None = None,
+    timeout: float = 240,
+) -> list[Run]:
+    """``scenario.py fit_ok`` as 2 torchrun "nodes" of ``nproc`` processes each, both started at once on this host.
+
+    ``args`` go to the scenario (``--devices nproc --num-nodes 2`` are added); ``node1_prefix`` wraps node 1's
+    command (e.g. a private mount namespace). Returns node 0's and node 1's runs; rank 0's JSON is node 0's result.
+    """
+    port = free_port()
+    runs: list[Run | None] = [None, None]
+
+    def node(rank: int) -> None:
+        out = tmp_path / f"node{rank}.json"
+        cmd = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(rank)]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPTS / "scenario.py"), "fit_ok"]
+        cmd += ["--out", str(out), "--devices", str(nproc), "--num-nodes", "2", *args]
+        prefix = node1_prefix if rank == 1 else None
+        runs[rank] = run_script(cmd, timeout=timeout, out=out, env=env, prefix=prefix)
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert runs[0] is not None and runs[1] is not None
+    return [runs[0], runs[1]]

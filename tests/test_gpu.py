@@ -16,14 +16,13 @@ import os
 import re
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.proc import SCRIPTS, Run, run_scenario, run_script
+from tests.proc import SCRIPTS, Run, run_scenario, run_script, torchrun_two_nodes
 from tests.test_exact_eval import SOME_SIZES, assert_same, sample_counts
 
 multiprocess = pytest.mark.multiprocess
@@ -51,32 +50,10 @@ def ok(run: Run) -> Run:
     return run
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def two_nodes_on_this_host(tmp_path: Path, *args: str, env: dict[str, str]) -> list[Run]:
     """scenario.py fit_ok as two torchrun "nodes" of one process each, both started on this host with
     ``Trainer(accelerator="gpu", devices=1, num_nodes=2)``: each process gets ``LOCAL_RANK=0`` and so ``cuda:0``."""
-    port = free_port()
-    runs: list[Run | None] = [None, None]
-
-    def node(rank: int) -> None:
-        out = tmp_path / f"node{rank}.json"
-        cmd = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank)]
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPTS / "scenario.py"), "fit_ok"]
-        cmd += ["--out", str(out), "--accelerator", "gpu", "--devices", "1", "--num-nodes", "2", *args]
-        runs[rank] = run_script(cmd, timeout=180, out=out, env=env)
-
-    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert runs[0] is not None and runs[1] is not None
-    return [runs[0], runs[1]]
+    return torchrun_two_nodes(tmp_path, "--accelerator", "gpu", *args, env=env, timeout=180)
 
 
 def duplicate_device_message(device: str, local_ranks: tuple[int, int]) -> re.Pattern[str]:

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddp_strategy.checkpoint.format import verify
-from tests.proc import SCRIPTS, Run, run_script
+from tests.proc import Run, torchrun_two_nodes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,36 +30,14 @@ def _can_unshare() -> bool:
 needs_namespaces = pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -m` (root) to simulate private disks")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def two_nodes(
     tmp_path: Path, *args: str, private: Path | None = None, shared: Path | None = None, nproc: int = 1
 ) -> list[Run]:
     """Run scenario.py as 2 nodes x ``nproc`` processes under torchrun; node 1 sees ``private`` at ``shared``."""
-    port = free_port()
-    runs: list[Run | None] = [None, None]
-
-    def node(rank: int) -> None:
-        out = tmp_path / f"node{rank}.json"
-        cmd = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(rank)]
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPTS / "scenario.py"), "fit_ok"]
-        cmd += ["--out", str(out), "--devices", str(nproc), "--num-nodes", "2", *args]
-        prefix = None
-        if rank == 1 and private is not None and shared is not None:
-            prefix = ["unshare", "-m", "sh", "-c", f'mount --bind "{private}" "{shared}" && exec "$@"', "sh"]
-        runs[rank] = run_script(cmd, timeout=240, out=out, prefix=prefix)
-
-    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert runs[0] is not None and runs[1] is not None
-    return [runs[0], runs[1]]
+    prefix = None
+    if private is not None and shared is not None:
+        prefix = ["unshare", "-m", "sh", "-c", f'mount --bind "{private}" "{shared}" && exec "$@"', "sh"]
+    return torchrun_two_nodes(tmp_path, *args, nproc=nproc, node1_prefix=prefix)
 
 
 def ok(runs: list[Run]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,16 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from tests.proc import SCRIPTS, Run, run_scenario, run_script
+
+
+def stock_fit_finished(run: Run) -> bool:
+    """Stock Lightning's fit returned on every rank and no process is left.
+
+    Stock Lightning never destroys a gloo process group, so a rank sometimes aborts at interpreter exit, after the
+    fit and the script's own output ("terminate called without an active exception", SIGABRT): that is accepted.
+    """
+    aborted_at_exit = run.returncode == -signal.SIGABRT and "terminate called without an active exception" in run.output
+    return (run.returncode == 0 or aborted_at_exit) and not run.orphans and not run.timed_out
 
 
 def rank_lines(run: Run, rank: int) -> list[str]:
@@ -54,7 +65,7 @@ def test_stock_weight_changed_on_one_rank_after_wrapping_trains_on_with_differen
     tests/test_multiprocess.py::test_weight_changed_on_one_rank_after_wrapping_is_named_before_first_step.)"""
     weights = tmp_path / "weights"
     run = run_scenario("diverge_after_wrap", tmp_path, "--strategy", "ddp", "--save-rank-weights", str(weights))
-    assert run.returncode == 0 and not run.orphans, run.describe()
+    assert stock_fit_finished(run), run.describe()
     assert "Error" not in run.output and "differ" not in run.output
     assert run.result is not None and run.result["global_step"] == 8  # trained to the end
     differences = replica_differences(weights)
@@ -126,7 +137,7 @@ def test_stock_per_step_sync_with_uneven_shards_runs_on_padded_duplicates(tmp_pa
     run = run_script(
         [str(SCRIPTS / "exact_eval.py"), *args, "--strategy", "ddp", "--out", str(out)], timeout=120, out=out
     )
-    assert run.returncode == 0 and not run.orphans and run.result is not None, run.describe()
+    assert stock_fit_finished(run) and run.result is not None, run.describe()
     assert "UnevenEvaluationError" not in run.output
     (results,) = run.result["validate"]
     assert results["samples"] == 4.0  # sample 0 counted twice
@@ -140,7 +151,7 @@ def test_stock_without_distributed_sampler_every_rank_trains_on_the_same_batches
     log = tmp_path / "batches"
     args = ["--strategy", "ddp", "--no-distributed-sampler", "--max-epochs", "1", "--batch-log", str(log)]
     run = run_scenario("fit_ok", tmp_path, *args)
-    assert run.returncode == 0 and not run.orphans, run.describe()
+    assert stock_fit_finished(run), run.describe()
     batches = [json.loads((log / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(batches[0]) == 8 and batches[0] == batches[1]  # all 64 samples on each rank, in the same order
     assert "ShardingCheck" not in run.output and "identical" not in run.output
@@ -152,7 +163,7 @@ def test_stock_differently_named_barriers_pair_silently(tmp_path):
     barriers pair up and the fit goes on to its end. (SafeDDPStrategy: CollectiveMismatchError on every rank,
     tests/test_multiprocess.py::test_barriers_with_different_names_raise_on_every_rank.)"""
     run = run_scenario("barrier_names_differ", tmp_path, "--strategy", "ddp")
-    assert run.returncode == 0 and not run.orphans, run.describe()
+    assert stock_fit_finished(run), run.describe()
     assert run.result is not None and run.result["global_step"] == 8  # 2 epochs of 4 steps
     assert "'save'" not in run.output and "'load'" not in run.output
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_strategy import control as control_module
 from ddp_strategy.checkpoint import protocol
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
 from ddp_strategy.control import (
@@ -215,9 +216,9 @@ class ThreadedObjects:
         self.local = threading.local()
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
-        monkeypatch.setattr(dist, "gather_object", self.gather_object)
-        monkeypatch.setattr(dist, "broadcast_object_list", self.broadcast_object_list)
+        monkeypatch.setattr(control_module, "all_gather_objects", self.all_gather_objects)
+        monkeypatch.setattr(control_module, "gather_objects", self.gather_objects)
+        monkeypatch.setattr(control_module, "broadcast_object", self.broadcast_object)
 
     def _exchange(self, obj: object) -> list[object]:
         rank = self.local.rank
@@ -227,16 +228,15 @@ class ThreadedObjects:
         self.meeting.wait()
         return [pickle.loads(self.sent[(round_, r)]) for r in range(self.world_size)]
 
-    def all_gather_object(self, out: list[object], obj: object, group: object = None) -> None:
-        out[:] = self._exchange(obj)
+    def all_gather_objects(self, obj: object, **_: object) -> list[object]:
+        return self._exchange(obj)
 
-    def gather_object(self, obj: object, out: list[object] | None = None, dst: int = 0, group: object = None) -> None:
+    def gather_objects(self, obj: object, *, dst: int, rank: int, **_: object) -> list[object] | None:
         everyone = self._exchange(obj)
-        if out is not None:
-            out[:] = everyone
+        return everyone if rank == dst else None
 
-    def broadcast_object_list(self, box: list[object], src: int = 0, group: object = None) -> None:
-        box[0] = self._exchange(box[0])[src]
+    def broadcast_object(self, obj: object, *, src: int, **_: object) -> object:
+        return self._exchange(obj)[src]
 
 
 def run_agreeing(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ._compat.torch import default_store, new_store_connection
 from .errors import CollectiveMismatchError, DDPStrategyError
+from .object_collectives import KeepAlive, all_gather_objects, broadcast_object, gather_objects
 from .positions import Position, call_site, format_ranks
 
 if TYPE_CHECKING:
@@ -244,6 +245,7 @@ class ControlPlane:
         heartbeat_interval: float = 1.0,
         heartbeat_store: Store | None = None,
         store_factory: Callable[[], Store] | None = None,
+        keep: KeepAlive | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -259,6 +261,8 @@ class ControlPlane:
         # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
         self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
+        # tensors of recent collectives on the gloo group, freed on this thread (see object_collectives)
+        self._keep = keep if keep is not None else KeepAlive()
         #: ``(exception, diagnosis)`` of this rank's failure, kept by :func:`~ddp_strategy.peers.diagnose_failed_peers`
         #: so that the strategy and the HangWatchdog share one diagnosis (one wait, one message).
         self.failure_diagnosis: tuple[BaseException, PeerDiagnosis | None] | None = None
@@ -290,10 +294,10 @@ class ControlPlane:
         group = dist.new_group(backend="gloo", timeout=timeout)
         if not isinstance(group, dist.ProcessGroup):  # every rank is a member of this group
             raise RuntimeError(f"ddp_strategy: creating the gloo control group returned {group!r}")
-        token = [uuid.uuid4().hex if rank == 0 else ""]
-        dist.broadcast_object_list(token, src=0, group=group)
+        keep = KeepAlive()
+        token = broadcast_object(uuid.uuid4().hex, src=0, rank=rank, group=group, keep=keep)
         base = default_store()
-        prefix = f"ddp_strategy/{token[0]}/"
+        prefix = f"ddp_strategy/{token}/"
         store: Store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
         heartbeat_store: Store | None = None
 
@@ -311,6 +315,7 @@ class ControlPlane:
             heartbeat_interval=heartbeat_interval,
             heartbeat_store=heartbeat_store,
             store_factory=connect,
+            keep=keep,
         )
 
     # ------------------------------------------------------------------ positions
@@ -434,10 +439,8 @@ class ControlPlane:
         self.barrier(name, site=site, passed=passed)
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
         self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+        return all_gather_objects(obj, group=self._group, world_size=self.world_size, keep=self._keep)
 
     def gather_object(self, obj: T, name: str, *, dst: int = 0, site: str | None = None) -> list[T] | None:
         """Gather one picklable object from every rank onto ``dst`` (others get ``None``), after a barrier."""
@@ -445,10 +448,10 @@ class ControlPlane:
         self.barrier(name, site=site)
         if self.world_size == 1:
             return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
         self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
-        dist.gather_object(obj, out, dst=dst, group=self._group)
-        return out
+        return gather_objects(
+            obj, dst=dst, rank=self.rank, group=self._group, world_size=self.world_size, keep=self._keep
+        )
 
     def broadcast_object(self, obj: T, name: str, *, src: int = 0, site: str | None = None) -> T:
         """Send ``obj`` from ``src`` to every rank (the value passed elsewhere is ignored), after a barrier."""
@@ -456,10 +459,8 @@ class ControlPlane:
         self.barrier(name, site=site)
         if self.world_size == 1:
             return obj
-        box: list[Any] = [obj if self.rank == src else None]
         self._position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
-        dist.broadcast_object_list(box, src=src, group=self._group)
-        return box[0]  # type: ignore[no-any-return]
+        return broadcast_object(obj, src=src, rank=self.rank, group=self._group, keep=self._keep)  # type: ignore[no-any-return]
 
     @overload
     def agree(
@@ -681,3 +682,4 @@ class ControlPlane:
                 dist.barrier(group=self._group)
             dist.destroy_process_group(self._group)
         self._group = None
+        self._keep.clear()

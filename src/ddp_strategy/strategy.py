@@ -34,6 +34,7 @@ from ._compat.lightning import (
     route_resume_path,
     set_sampler_epoch,
     trainer_of,
+    training_dataloaders,
 )
 from .callbacks.sharding_check import ensure_sharding_check
 from .callbacks.weight_sync import WeightSyncCheck
@@ -45,6 +46,7 @@ from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
 from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
+from .fork_safety import fork_hazard
 from .handshake import (
     RankFacts,
     check_devices,
@@ -342,6 +344,7 @@ class SafeDDPStrategy(DDPStrategy):
         # Always checked here, even after the sanity-check validation ran the handshake: user hooks such as
         # on_train_start run in between and may change weights on one rank.
         self._run_handshake("train")
+        self._warn_about_fork_hazard()
         super().on_train_start()
 
     @override
@@ -759,6 +762,17 @@ class SafeDDPStrategy(DDPStrategy):
             f"ddp_strategy: {stage} handshake passed on {self.world_size} rank(s) "
             f"({len(facts.tensors)} tensors compared) in {self.last_handshake_seconds * 1000:.1f} ms"
         )
+
+    def _warn_about_fork_hazard(self) -> None:
+        trainer = self._trainer_or_none()
+        if trainer is None or not self.is_global_zero:
+            return
+        val = trainer.val_dataloaders
+        loaders = [("training", loader) for loader in training_dataloaders(trainer)]
+        loaders += [("validation", loader) for loader in (val if isinstance(val, list | tuple) else [val])]
+        warning = fork_hazard(loaders, world_size=self.world_size)
+        if warning is not None:
+            rank_zero_warn(warning)
 
     def _check_training_batches(self, gathered: list[RankFacts]) -> None:
         message = check_training_batches(gathered) if self.uneven_inputs is not None else None

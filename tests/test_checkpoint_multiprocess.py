@@ -95,6 +95,60 @@ def test_resume_at_epoch_boundary_is_bit_exact(tmp_path, devices, workers):
 
 
 @pytest.mark.parametrize(
+    "workers", [[], ["--num-workers", "2", "--persistent-workers"]], ids=["0workers", "2persistent-workers"]
+)
+def test_checkpoint_saved_by_hand_after_fit_resumes_bit_exact(tmp_path, workers):
+    # `trainer.save_checkpoint(path)` on every rank after fit returned: the control plane is closed by then, but the
+    # ranks are still connected, so the file still gets every rank's RNG state (issue 16, item 2)
+    opts = ("--devices", "2", *workers)
+    full, full_steps = uninterrupted_run(tmp_path, opts)
+    after, resumed = tmp_path / "after_fit.ckpt", tmp_path / "resumed.pt"
+    first = run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--save-after-fit", str(after), *opts)
+    assert first.returncode == 0 and not first.orphans, first.describe()
+    verify(after)
+    saved = torch.load(after, weights_only=True, map_location="cpu")
+    assert len(saved["ddp_strategy"]["rng_states"]) == 2
+    second = run_scenario(
+        "fit_ok", tmp_path, "--max-epochs", "4", "--resume", str(after), "--save-weights", str(resumed), *opts
+    )
+    assert second.returncode == 0 and not second.orphans, second.describe()
+    assert "holds no per-rank RNG state" not in second.output
+    assert second.result is not None and second.result["global_step"] == full_steps
+    assert max_abs_diff(full, resumed) == 0.0
+
+
+def test_save_after_fit_on_rank_zero_only_is_named_instead_of_hanging(tmp_path):
+    # the seed threads' mistake outside the loop: `if rank == 0: save` -- the other rank never comes
+    run = run_scenario(
+        "fit_ok", tmp_path, "--max-epochs", "1", "--barrier-timeout", "5",
+        "--save-after-fit", str(tmp_path / "after.ckpt"), "--save-after-fit-rank0-only",
+    )  # fmt: skip
+    assert run.returncode != 0 and not run.timed_out and not run.orphans, run.describe()
+    assert "CollectiveMismatchError" in run.output
+    assert "barrier 'trainer.save_checkpoint('after.ckpt') outside a run'" in run.output
+    assert "scenario.py:" in run.output.split("outside a run' (", 1)[1].split(")", 1)[0]  # the user's line
+    assert "rank(s) 1 never arrived" in run.output
+    assert not (tmp_path / "after.ckpt").exists()
+
+
+def test_save_after_a_spawn_run_says_why_it_has_no_rng_states(tmp_path):
+    # the spawn launcher's main process was never a training rank: its RNG state is not the ranks', so the file
+    # holds none and says so, and the resumed run's warning repeats why
+    after = tmp_path / "after.ckpt"
+    first = run_scenario(
+        "fit_ok", tmp_path, "--strategy", "safe_ddp_spawn", "--max-epochs", "1", "--save-after-fit", str(after)
+    )
+    assert first.returncode == 0 and not first.orphans, first.describe()
+    section = torch.load(after, weights_only=True, map_location="cpu")["ddp_strategy"]
+    assert "rng_states" not in section and "not one of the training ranks" in section["no_rng_states_because"]
+    second = run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--resume", str(after))
+    assert second.returncode == 0 and not second.orphans, second.describe()
+    assert "holds no per-rank RNG state (it was saved by a process that was not one of the training ranks" in (
+        " ".join(second.output.split())
+    )
+
+
+@pytest.mark.parametrize(
     ("devices", "workers"),
     [
         pytest.param(2, [], marks=pytest.mark.compat),

@@ -318,6 +318,31 @@ class ControlPlane:
             keep=keep,
         )
 
+    @classmethod
+    def create_after_barrier(cls, *, timeout: timedelta, name: str, site: str) -> ControlPlane:
+        """:meth:`create` (without a heartbeat), once every rank has reached a monitored barrier ``name``.
+
+        For a collective call outside a run, e.g. ``trainer.save_checkpoint`` after ``fit``: creating the gloo group
+        waits for every rank, so a rank that never calls would leave the others inside torch's group creation.
+        The barrier names it after ``timeout`` instead. Every rank counts its own calls in the rendezvous store,
+        so the k-th call of every rank meets in the same namespace.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ddp_strategy: `create_after_barrier` needs an initialised default process group.")
+        base = default_store()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        call = base.add(f"ddp_strategy/outside-run/calls/{rank}", 1)
+        gate = cls(
+            rank=rank,
+            world_size=world_size,
+            store=dist.PrefixStore(f"ddp_strategy/outside-run/{call}/", base),  # type: ignore[attr-defined]
+            group=None,
+            timeout=timeout,
+            heartbeat_interval=0,
+        )
+        gate.barrier(name, site=site)
+        return cls.create(timeout=timeout, heartbeat_interval=0)
+
     # ------------------------------------------------------------------ positions
     @property
     def position(self) -> Position:
@@ -602,7 +627,7 @@ class ControlPlane:
         for rank in missing:
             position = positions[rank]
             if position is None:
-                where = "no position published (the process may never have started)"
+                where = "no position published here (it never reached this point, or its process never started)"
             else:
                 where = position.describe(now)
                 if position.kind != "failed" and position.heartbeat and now - position.heartbeat > stale_after:

@@ -41,7 +41,7 @@ from .callbacks.weight_sync import WeightSyncCheck
 from .checkpoint import protocol
 from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
-from .checkpoint.keys import PACKAGE_KEY
+from .checkpoint.keys import NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
 from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
@@ -518,12 +518,50 @@ class SafeDDPStrategy(DDPStrategy):
             RankDivergenceError: on every rank when the ranks' weights differ; nothing was written.
 
         """
-        if self._control is None:  # outside a run (e.g. after teardown): plain rank-0 save
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._control is None:
+            self._save_outside_a_run(checkpoint, filepath, storage_options)
             return
+        self._collective_save(self._control, checkpoint, filepath, storage_options, asynchronous=self.async_save)
 
+    def _save_outside_a_run(
+        self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None
+    ) -> None:
+        """``trainer.save_checkpoint`` before a stage starts or after it returned (the control plane is closed).
+
+        The default process group lives until the processes exit, so the save is still collective, through a
+        control plane built for it: the file holds every rank's RNG state and resumes bit-exactly. Every rank must
+        call ``trainer.save_checkpoint`` (as Lightning documents); a rank that does not is named after
+        ``barrier_timeout``. Without a process group (the spawn launcher's main process after ``fit``) rank 0
+        writes alone, and the file records why it holds no RNG states.
+        """
+        if dist.is_available() and dist.is_initialized():
+            name = f"trainer.save_checkpoint('{os.path.basename(str(filepath))}') outside a run"
+            control = ControlPlane.create_after_barrier(timeout=self.barrier_timeout, name=name, site=call_site())
+            saved = False
+            try:
+                self._collective_save(control, checkpoint, filepath, storage_options, asynchronous=False)
+                saved = True
+            finally:
+                control.close(graceful=saved)
+            return
+        reason = (
+            "by a process that was not one of the training ranks (the spawn launcher's main process after the run, "
+            "or before any stage started): the ranks' RNG states were gone"
+        )
+        section = {**package_state(checkpoint), NO_RNG_REASON_KEY: reason}
+        super().save_checkpoint({**checkpoint, PACKAGE_KEY: section}, filepath, storage_options=storage_options)
+
+    def _collective_save(
+        self,
+        control: ControlPlane,
+        checkpoint: dict[str, Any],
+        filepath: CheckpointPath,
+        storage_options: Any | None,
+        *,
+        asynchronous: bool,
+    ) -> None:
         def write(final: dict[str, Any]) -> None:
-            if not self.async_save:
+            if not asynchronous:
                 self.checkpoint_io.save_checkpoint(final, filepath, storage_options=storage_options)
                 return
             if self._writer is None:
@@ -547,7 +585,7 @@ class SafeDDPStrategy(DDPStrategy):
             else None
         )
         protocol.save(
-            control=self._control,
+            control=control,
             write=write,
             checkpoint=checkpoint,
             path=str(filepath),

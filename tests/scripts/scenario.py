@@ -300,6 +300,8 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--save-weights", help="rank 0 saves the final state_dict here")
+    parser.add_argument("--save-after-fit", help="every rank calls trainer.save_checkpoint(PATH) after fit returns")
+    parser.add_argument("--save-after-fit-rank0-only", action="store_true", help="... inside `if is_global_zero:`")
     parser.add_argument("--save-rank-weights", help="every rank saves its final state_dict to DIR/rank<g>.pt")
     parser.add_argument("--hang-watchdog", type=float, default=0, help="add HangWatchdog(timeout=S)")
     parser.add_argument("--hang-dir", help="HangWatchdog(dump_dir=...)")
@@ -366,6 +368,8 @@ def main() -> None:
         trainer.fit(model, train, val, ckpt_path=args.resume)
         if args.scenario == "two_fits":
             trainer.validate(model, val, verbose=False)
+        if args.save_after_fit and (not args.save_after_fit_rank0_only or trainer.is_global_zero):
+            trainer.save_checkpoint(args.save_after_fit)  # by hand after fit returned, as the seed threads save
         handshake_seconds.append(getattr(trainer.strategy, "last_handshake_seconds", None))
     if args.rank_report:
         report_ranks(trainer, args.rank_report)

@@ -38,7 +38,7 @@ from ..errors import (
 )
 from . import rng
 from .format import IntegrityRecord, filesystem, verify
-from .keys import PACKAGE_KEY, RNG_STATES_KEY, WORLD_SIZE_KEY
+from .keys import NO_RNG_REASON_KEY, PACKAGE_KEY, RNG_STATES_KEY, WORLD_SIZE_KEY
 
 __all__ = ["check_model_keys", "check_resumable", "load", "resolve", "save"]
 
@@ -284,9 +284,11 @@ def restore_rng(checkpoint: dict[str, Any], *, rank: int, world_size: int) -> st
     states = section.get(RNG_STATES_KEY) if isinstance(section, dict) else None
     saved_world = section.get(WORLD_SIZE_KEY) if isinstance(section, dict) else None
     if not isinstance(states, list) or not states:
+        reason = section.get(NO_RNG_REASON_KEY) if isinstance(section, dict) else None
+        why = f"it was saved {reason}" if isinstance(reason, str) else "it was not written by SafeDDPStrategy"
         return (
-            "The checkpoint holds no per-rank RNG state (it was not written by SafeDDPStrategy); random number "
-            "generators continue from their current state, so the resumed run will not repeat an uninterrupted one."
+            f"The checkpoint holds no per-rank RNG state ({why}); random number generators continue from their "
+            "current state, so the resumed run will not repeat an uninterrupted one."
         )
     if saved_world != world_size or len(states) != world_size:
         step = int(checkpoint.get("global_step", 0))

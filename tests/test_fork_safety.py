@@ -3,8 +3,10 @@ collectives keep their tensors on the calling thread so that gloo's threads neve
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,11 +70,71 @@ def test_a_fork_context_object_counts_as_fork():
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(sys.version_info[:3] >= FIXED_IN, reason=f"Python {sys.version.split()[0]} has the fix")
-def test_strategy_warns_once_on_rank_zero_about_fork_per_epoch_workers(tmp_path: Path):
-    run = run_scenario("fit_ok", tmp_path, "--max-epochs", "1", "--num-workers", "2")
+def test_strategy_pins_the_collective_threads_so_fork_per_epoch_workers_are_safe(tmp_path: Path):
+    run = run_scenario("fit_ok", tmp_path, "--max-epochs", "2", "--num-workers", "2")
     assert run.returncode == 0 and not run.orphans, run.describe()
-    assert run.output.count("gh-112275") == 1, run.describe()
-    assert "the training DataLoader (2 workers) fork(s) new worker processes at every epoch" in run.output
+    assert run.result is not None and run.result["collective_threads_pinned"] is True
+    assert "gh-112275" not in run.output  # nothing left to warn about
+
+
+def _thread_states() -> int:
+    """How many Python thread states the interpreter holds (public C API, through ctypes)."""
+    api = ctypes.pythonapi
+    api.PyInterpreterState_Main.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.argtypes = [ctypes.c_void_p]
+    api.PyThreadState_Next.restype = ctypes.c_void_p
+    api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
+    count, state = 0, api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Main())
+    while state:
+        count, state = count + 1, api.PyThreadState_Next(state)
+    return count
+
+
+def _pinning_rank(rank: int, world_size: int, port: int, pin: bool, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    import torch.distributed as dist
+
+    from ddp_strategy._compat.torch import gloo_worker_threads, pin_python_thread_states
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        threads = gloo_worker_threads(dist.group.WORLD)
+        before = _thread_states()
+        pinned = pin_python_thread_states(dist.group.WORLD, threads or 0) if pin else 0
+        for _ in range(50):  # collectives whose Python-created tensors gloo's threads may free
+            tensor = torch.randn(4)
+            dist.all_reduce(tensor)
+            del tensor
+        dist.barrier()
+        time.sleep(0.2)  # let the workers finish releasing
+        queue.put((rank, threads, pinned, before, _thread_states()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "not-pinned"])
+def test_pinned_gloo_threads_keep_their_python_thread_states(pin):
+    # pinned: each of gloo's 2 worker threads keeps one thread state (and so never creates another, the instant a
+    # fork must not hit); not pinned: the states they create to free tensors are gone again afterwards
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port, world_size = free_port(), 2
+    procs = [ctx.Process(target=_pinning_rank, args=(r, world_size, port, pin, queue)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [queue.get(timeout=60) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    for _, threads, pinned, before, after in results:
+        assert threads == 2
+        if pin:
+            assert pinned == 2 and after == before + 2
+        else:
+            assert after == before
 
 
 # ------------------------------------------------------------------------------------------ object collectives

@@ -345,6 +345,11 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ positions
     @property
+    def group(self) -> Any:
+        """The gloo process group of this control plane (``None`` once closed)."""
+        return self._group
+
+    @property
     def position(self) -> Position:
         """This rank's current position."""
         return self._position

@@ -4,8 +4,12 @@ A DataLoader with ``num_workers > 0`` and ``persistent_workers=False`` forks its
 at every epoch. Under DDP the training process has background threads (gloo's workers) that take the GIL from time
 to time; on CPython before 3.11.10 a fork at the instant such a thread creates its Python thread state leaves the
 new worker deadlocked in ``PyOS_AfterFork_Child`` (https://github.com/python/cpython/issues/112275), and its rank
-waits for a batch forever. Rare per fork, but every rank forks at every epoch. The strategy's own collectives no
-longer trigger it (:mod:`~ddp_strategy.object_collectives`); torch's and Lightning's still can.
+waits for a batch forever. Rare per fork, but every rank forks at every epoch.
+
+On an affected Python the strategy therefore gives each gloo worker thread of its process groups a Python thread
+state that it keeps (:func:`pin_collective_threads`): a thread that has one never creates another, so no
+collective, whoever makes it (the strategy, Lightning, torchmetrics, user code), opens that window. Where that
+cannot be done completely, the DataLoaders that fork at every epoch are named (:func:`fork_hazard`).
 """
 
 from __future__ import annotations
@@ -13,11 +17,39 @@ from __future__ import annotations
 import multiprocessing
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-__all__ = ["FIXED_IN", "fork_hazard"]
+from ._compat.torch import gloo_worker_threads, pin_python_thread_states
+
+__all__ = ["FIXED_IN", "fork_hazard", "pin_collective_threads"]
 
 #: The first CPython 3.11 release with the fix of gh-112275 (3.12 and later have it too).
 FIXED_IN = (3, 11, 10)
+
+
+def affected(python: Sequence[int] | None = None) -> bool:
+    """Whether this interpreter (or ``python``) has CPython gh-112275."""
+    return tuple(python if python is not None else sys.version_info[:3]) < FIXED_IN
+
+
+def pin_collective_threads(groups: Iterable[Any]) -> bool:
+    """On an affected Python, make the gloo worker threads of ``groups`` keep a Python thread state. Collective.
+
+    Args:
+        groups: process groups every rank is a member of (groups whose CPU backend is not gloo are skipped).
+
+    Returns:
+        Whether every gloo worker thread of ``groups`` on every rank holds one (``True`` on a fixed Python).
+
+    """
+    if not affected():
+        return True
+    complete = True
+    for group in groups:
+        threads = gloo_worker_threads(group)
+        if threads:
+            complete = pin_python_thread_states(group, threads) >= threads and complete
+    return complete
 
 
 def _start_method(loader: object) -> str:
@@ -49,7 +81,7 @@ def fork_hazard(
 
     """
     version = tuple(python if python is not None else sys.version_info[:3])
-    if world_size < 2 or version >= FIXED_IN:
+    if world_size < 2 or not affected(version):
         return None
     risky = [(what, loader) for what, loader in loaders if _forks_every_epoch(loader)]
     if not risky:

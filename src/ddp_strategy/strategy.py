@@ -46,7 +46,7 @@ from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
 from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
-from .fork_safety import fork_hazard
+from .fork_safety import fork_hazard, pin_collective_threads
 from .handshake import (
     RankFacts,
     check_devices,
@@ -187,6 +187,9 @@ class SafeDDPStrategy(DDPStrategy):
         #: Seconds the last start-up handshake took on this rank (``None`` before the first one).
         self.last_handshake_seconds: float | None = None
         self._control: ControlPlane | None = None
+        #: Whether the gloo worker threads of the process groups keep a Python thread state (see fork_safety).
+        self.collective_threads_pinned = False
+        self._default_group_pinned = False
         self._handshake_done = False
         self._failed = False
         self._resumed: dict[str, Any] | None = None  # RNG section of the checkpoint being resumed
@@ -264,6 +267,12 @@ class SafeDDPStrategy(DDPStrategy):
             self._control = ControlPlane.create(
                 timeout=self.barrier_timeout, heartbeat_interval=self.heartbeat_interval
             )
+            if self.world_size > 1:  # before any DataLoader forks a worker (see fork_safety)
+                groups = (
+                    [self._control.group] if self._default_group_pinned else [dist.group.WORLD, self._control.group]
+                )
+                self.collective_threads_pinned = pin_collective_threads(groups)
+                self._default_group_pinned = True
         self._failed = False
         self._agree_on_resume_path()
         if self.handshake_enabled:
@@ -803,7 +812,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     def _warn_about_fork_hazard(self) -> None:
         trainer = self._trainer_or_none()
-        if trainer is None or not self.is_global_zero:
+        if trainer is None or not self.is_global_zero or self.collective_threads_pinned:
             return
         val = trainer.val_dataloaders
         loaders = [("training", loader) for loader in training_dataloaders(trainer)]

@@ -394,6 +394,7 @@ def main() -> None:
             "time": time.time(),
             "sharding_check": sharding_result(trainer),
             "overlapped_saves": getattr(trainer.strategy, "overlapped_saves", None),
+            "collective_threads_pinned": getattr(trainer.strategy, "collective_threads_pinned", None),
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from typing import Any
 
 import torch
@@ -12,7 +14,9 @@ __all__ = [
     "ddp_comm_hooks",
     "default_store",
     "detach_ddp_reducer",
+    "gloo_worker_threads",
     "new_store_connection",
+    "pin_python_thread_states",
     "reset_per_bucket_hook_state",
     "sync_ddp_buffers",
     "tensor_version",
@@ -73,3 +77,51 @@ def detach_ddp_reducer(model: DistributedDataParallel) -> None:
     for handle in getattr(model, "_accum_grad_hooks", []):
         handle.remove()
     model._accum_grad_hooks = []
+
+
+def gloo_worker_threads(group: Any) -> int | None:
+    """How many worker threads run the CPU collectives of ``group`` (``None`` when its CPU backend is not gloo)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return None
+    return int(getattr(getattr(backend, "options", None), "_threads", 2))
+
+
+def pin_python_thread_states(group: Any, threads: int, *, rounds: int = 16) -> int:
+    """Make each gloo worker thread of ``group`` keep a Python thread state; collective, every rank calls it.
+
+    A worker thread that frees a tensor Python created (or a work's captured Python state) takes the GIL through
+    pybind11, which creates a thread state for the occasion and deletes it afterwards; creating one locks the
+    interpreter's thread list without the GIL, the instant that ``fork`` must not hit (CPython gh-112275, see
+    :mod:`ddp_strategy.fork_safety`). A thread state that stays is reused instead. It is made to stay by a future
+    callback that runs on the worker thread and takes one more GIL-state reference (``PyGILState_Ensure``) that is
+    never released. Concurrent all-reduces occupy the workers together; rounds repeat until every rank has pinned
+    ``threads`` threads (the ranks agree with one more all-reduce per round).
+
+    Returns:
+        The number of worker threads pinned on the rank that pinned the fewest.
+
+    """
+    main = threading.main_thread().ident
+    pinned: set[int] = set()
+
+    def pin(_: Any) -> None:
+        ident = threading.get_ident()
+        if ident != main and ident not in pinned:
+            ctypes.pythonapi.PyGILState_Ensure()  # never released: the thread state outlives this callback
+            pinned.add(ident)
+
+    fewest = 0
+    for _ in range(rounds):
+        works = [dist.all_reduce(torch.zeros(1), group=group, async_op=True) for _ in range(threads)]
+        for future in [work.get_future().then(pin) for work in works]:
+            future.wait()
+        count = torch.tensor([len(pinned)])
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
+        fewest = int(count.item())
+        if fewest >= threads:
+            break
+    return fewest

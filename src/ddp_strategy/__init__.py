@@ -23,6 +23,7 @@ from .errors import (
     UnevenInputsError,
     UnsafeCheckpointError,
 )
+from .preemption import Preempted
 from .strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "CollectiveMismatchError",
     "DDPStrategyError",
     "DuplicateDeviceError",
+    "Preempted",
     "RankDivergenceError",
     "SafeDDPStrategy",
     "SetupMismatchError",

@@ -350,6 +350,14 @@ class ControlPlane:
         return self._group
 
     @property
+    def store(self) -> Store:
+        """The training thread's connection to this run's namespace of the rendezvous store.
+
+        Other threads must use their own (see :meth:`connect`).
+        """
+        return self._store
+
+    @property
     def position(self) -> Position:
         """This rank's current position."""
         return self._position

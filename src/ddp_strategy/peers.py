@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .control import ControlPlane
 from .errors import DDPStrategyError
 from .positions import Position, format_ranks
+from .preemption import Preempted
 
 __all__ = ["PeerDiagnosis", "diagnose_failed_peers"]
 
@@ -113,7 +114,9 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
     if memo is not None and memo[0] is exception:
         return memo[1]
     diagnosis = (
-        None if control.world_size < 2 or isinstance(exception, DDPStrategyError) else _diagnose(control, exception)
+        None
+        if control.world_size < 2 or isinstance(exception, (DDPStrategyError, Preempted))
+        else _diagnose(control, exception)
     )
     control.failure_diagnosis = (exception, diagnosis)
     if diagnosis is not None:

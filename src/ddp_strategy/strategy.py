@@ -24,9 +24,11 @@ from ._compat.lightning import (
     add_callback,
     count_checkpointed_batch_as_completed,
     destroy_default_process_group,
+    handle_signals_during_run,
     has_callback,
     init_default_process_group,
     pl,
+    preemption_aware_launcher,
     rank_zero_info,
     rank_zero_warn,
     rebuild_ddp_wrapper,
@@ -36,6 +38,7 @@ from ._compat.lightning import (
     trainer_of,
     training_dataloaders,
 )
+from .callbacks.preemption_stop import PreemptionStop
 from .callbacks.sharding_check import ensure_sharding_check
 from .callbacks.weight_sync import WeightSyncCheck
 from .checkpoint import protocol
@@ -59,6 +62,7 @@ from .handshake import (
 )
 from .peers import diagnose_failed_peers
 from .positions import call_site
+from .preemption import DEFAULT_PREEMPTION_SIGNALS, Preempted, PreemptionAgreement, exit_code, parse_signals
 from .sampling import skip_consumed_batches
 from .trainable import TrainableSetWatcher, agree_on_trainable_set, describe_change
 
@@ -148,6 +152,13 @@ class SafeDDPStrategy(DDPStrategy):
             wrapper with the same options, so newly trainable parameters are all-reduced (and frozen ones no longer
             awaited). A set that changed differently, or on some ranks only, raises
             :class:`~ddp_strategy.errors.RankDivergenceError`. Default: ``True``.
+        preemption_signals: the signals that stop ``fit`` as a preemption (names or numbers; default
+            ``("SIGTERM",)``, add ``"SIGUSR1"`` for SLURM's ``--signal``; ``None`` leaves signals to Lightning).
+            When any subset of ranks receives one, the ranks agree on a stop step over the control plane (no
+            collective in the handler, none per step), save one checkpoint there with the normal collective save
+            (to ``ModelCheckpoint``'s ``last`` file, where ``fit(ckpt_path="last")`` finds it), and every rank raises
+            :class:`~ddp_strategy.Preempted`, exiting with ``128 + signal`` (143 for SIGTERM). See
+            :mod:`ddp_strategy.preemption` and docs/checkpoints.md.
         **kwargs: passed to ``DDPStrategy`` (and from there to ``DistributedDataParallel``).
 
     Raises:
@@ -174,6 +185,7 @@ class SafeDDPStrategy(DDPStrategy):
         weight_check: str | int | None = "epoch",
         weight_check_exclude: Sequence[str] = (),
         track_trainable_set: bool = True,
+        preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -236,6 +248,8 @@ class SafeDDPStrategy(DDPStrategy):
         self._train_batches = 0  # training batches started in this fit (the same count on every rank)
         #: How many times the set of trainable parameters changed, and DDP's wrapper was rebuilt, in the last fit.
         self.trainable_set_changes = 0
+        self.preemption_signals = parse_signals(preemption_signals)
+        self._preemption: PreemptionStop | None = None
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -252,6 +266,13 @@ class SafeDDPStrategy(DDPStrategy):
             )
 
     # ------------------------------------------------------------------ life cycle
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.preemption_signals:  # the spawn launcher's main process exits with the ranks' preemption code
+            codes = frozenset(exit_code(sig) for sig in self.preemption_signals)
+            preemption_aware_launcher(self, codes, tuple(int(sig) for sig in self.preemption_signals))
+
     def _control_plane_or_none(self) -> ControlPlane | None:  # a bound method, so the strategy still pickles
         return self._control
 
@@ -331,6 +352,38 @@ class SafeDDPStrategy(DDPStrategy):
         if self.async_save and self._overlap_snapshots:
             install_snapshot_gate(trainer, self._wait_for_snapshot)
         self._setup_weight_checks(trainer)
+        self._setup_preemption(trainer)
+
+    def _setup_preemption(self, trainer: pl.Trainer) -> None:
+        """For ``fit``: take the preemption signals from Lightning's handlers and add the stop at step boundaries."""
+        self._preemption = None
+        if not self.preemption_signals or trainer.state.fn != TrainerFn.FITTING:
+            return
+        agreement = PreemptionAgreement(
+            rank=self.global_rank, world_size=self.world_size, poll_interval=self.heartbeat_interval or 1.0
+        )
+        self._preemption = PreemptionStop(agreement, self._control_plane_or_none, self._finish_async_writes)
+        add_callback(trainer, self._preemption, replace=PreemptionStop)
+        handle_signals_during_run(trainer, self.preemption_signals, agreement.request, self._deliver_unused_signal)
+
+    def _deliver_unused_signal(self) -> None:
+        """After the run's handlers were restored: a signal that led to no stop is delivered again, as if unhandled.
+
+        That is a signal that came after the ranks' last agreement (between ``on_train_end`` and the end of
+        ``fit``) or on a rank that failed for another reason: the process's own handling applies (by default it
+        ends the process).
+        """
+        stop = self._preemption
+        if stop is None or stop.stopped is not None or stop.agreement.received is None:
+            return
+        received = stop.agreement.received
+        log.warning(
+            "ddp_strategy: rank %d received %s after the ranks' last chance to agree on a stop; delivering it again "
+            "now that fit has ended.",
+            self.global_rank,
+            received.name,
+        )
+        os.kill(os.getpid(), received)
 
     def _setup_weight_checks(self, trainer: pl.Trainer) -> None:
         """Remember the trainable set DDP was built with, and add the epoch-end (or every-N-steps) weight check."""
@@ -426,6 +479,9 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, Preempted):  # every rank stopped at the agreed step: no failure to name
+            super().on_exception(exception)
+            return
         self._failed = True
         if self._control is not None:
             self._control.note_failure(exception)

@@ -52,7 +52,7 @@ __all__ = [
     "write_garbage",
 ]
 
-_KINDS = ("kill", "raise", "exit", "hang", "slow", "fail_writes")
+_KINDS = ("kill", "signal", "raise", "exit", "hang", "slow", "fail_writes")
 
 
 class InjectedFault(RuntimeError):
@@ -72,8 +72,10 @@ class Fault:
     """One fault: what happens on which global rank, from which training step.
 
     Attributes:
-        kind: ``"kill"`` (send ``arg`` as a signal, default SIGKILL), ``"raise"`` (raise :class:`InjectedFault`),
-            ``"exit"`` (``os._exit(arg)``, no cleanup), ``"hang"`` (sleep ``arg`` seconds, default forever),
+        kind: ``"kill"`` (send ``arg`` as a signal, default SIGKILL, and wait for it), ``"signal"`` (send ``arg``,
+            default SIGTERM, and go on training, as a preemption notice does), ``"raise"`` (raise
+            :class:`InjectedFault`), ``"exit"`` (``os._exit(arg)``, no cleanup), ``"hang"`` (sleep ``arg`` seconds,
+            default forever),
             ``"slow"`` (sleep ``arg`` seconds at every step from ``at_step`` on) or ``"fail_writes"`` (every
             later file write of the process beyond ``arg`` bytes fails, see :func:`limit_file_size`).
         rank: the global rank it happens on.
@@ -141,6 +143,10 @@ class FaultInjector(Callback):
         """Send ``sig`` (default SIGKILL: no cleanup, no Python exception) to ``rank``'s own process."""
         return self._add(Fault("kill", rank, at_step, float(sig)))
 
+    def signal_rank(self, rank: int, at_step: int, sig: int = signal.SIGTERM) -> FaultInjector:
+        """Send ``sig`` (default SIGTERM) to ``rank``'s own process and go on training (a preemption notice)."""
+        return self._add(Fault("signal", rank, at_step, float(sig)))
+
     def raise_on_rank(self, rank: int, at_step: int) -> FaultInjector:
         """Raise :class:`InjectedFault` in ``rank``'s training loop (the rank fails like a bug in user code)."""
         return self._add(Fault("raise", rank, at_step))
@@ -194,7 +200,11 @@ class FaultInjector(Callback):
             sys.stderr.write(f"FaultInjector: {what} on rank {fault.rank} at step {fault.at_step}\n")
             sys.stderr.flush()
 
-        if fault.kind == "kill":
+        if fault.kind == "signal":
+            sig = signal.Signals(int(fault.arg if fault.arg is not None else signal.SIGTERM))
+            say(f"sending {sig.name} at t={time.time():.3f} (training goes on)")
+            os.kill(os.getpid(), sig)
+        elif fault.kind == "kill":
             sig = signal.Signals(int(fault.arg if fault.arg is not None else signal.SIGKILL))
             say(f"sending {sig.name}")
             os.kill(os.getpid(), sig)

@@ -185,8 +185,22 @@ class BatchLog(pl.Callback):
             json.dump(self.batches, f)
 
 
+class SignalOnSave(pl.Callback):
+    """Rank 0 sends itself SIGTERM inside every checkpoint save from ``step`` on (a second signal during a save)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if trainer.global_rank == 0 and trainer.global_step >= self.step:
+            print(f"scenario: rank 0 sends itself SIGTERM during the save at step {trainer.global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def callbacks(args: argparse.Namespace) -> list[Any]:
     found: list[Any] = [checkpointing(args)] if args.ckpt_dir else []
+    if args.signal_on_save:
+        found.append(SignalOnSave(args.signal_on_save))
     if args.batch_log:
         found.append(BatchLog(args.batch_log))
     if args.load_report:
@@ -320,6 +334,7 @@ def main() -> None:
     parser.add_argument("--dump-stacks-after", type=float, default=0, help="StackDump: seconds after train start")
     parser.add_argument("--dump-dir", help="StackDump: where rank<g>.txt go")
     parser.add_argument("--load-report", help="every rank writes the devices of the checkpoint it loaded to DIR")
+    parser.add_argument("--signal-on-save", type=int, default=0, help="rank 0: SIGTERM inside saves from step N")
     parser.add_argument("--batch-log", help="every rank writes its first epoch's training batches to DIR")
     args = parser.parse_args()
 

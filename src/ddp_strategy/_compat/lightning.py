@@ -13,8 +13,12 @@ say what they do; a Lightning release that changes one of them is a change here 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from importlib import import_module, metadata
 from pathlib import Path
@@ -44,10 +48,13 @@ __all__ = [
     "destroy_default_process_group",
     "fabric",
     "find_callback",
+    "handle_signals_during_run",
     "has_callback",
     "init_default_process_group",
+    "last_checkpoint_path",
     "move_data_to_device",
     "pl",
+    "preemption_aware_launcher",
     "rank_zero_info",
     "rank_zero_warn",
     "rebuild_ddp_wrapper",
@@ -85,7 +92,7 @@ else:
         "utilities.seed",
     ):
         import_module(f"{_FABRIC}.{_sub}")
-    for _sub in ("trainer.states", "utilities.data", "callbacks", "strategies"):
+    for _sub in ("trainer.states", "utilities.data", "callbacks", "strategies", "strategies.launchers.multiprocessing"):
         import_module(f"{_PL}.{_sub}")
     fabric = import_module(_FABRIC)
     pl = import_module(_PL)
@@ -107,6 +114,7 @@ Callback = pl.callbacks.Callback
 DDPStrategy = pl.strategies.DDPStrategy
 StrategyRegistry = pl.strategies.StrategyRegistry
 RunningStage = pl.trainer.states.RunningStage
+_MultiProcessingLauncher = pl.strategies.launchers.multiprocessing._MultiProcessingLauncher
 TrainerFn = pl.trainer.states.TrainerFn
 CheckpointIO = fabric.plugins.CheckpointIO
 rank_zero_warn = pl.utilities.rank_zero_warn
@@ -350,3 +358,121 @@ def rebuild_ddp_wrapper(strategy: Any) -> Any:
     if hasattr(strategy, "_pl_static_graph_delay_done"):  # Lightning >= 2.6
         strategy._pl_static_graph_delay_done = False
     return new
+
+
+# ---------------------------------------------------------------------------------------------- signals
+_SIGNALS_ATTR = "_ddp_strategy_signals"
+
+
+def handle_signals_during_run(
+    trainer: Any,
+    signals: Sequence[signal.Signals],
+    handler: Callable[[int], None],
+    after_restore: Callable[[], None],
+) -> None:
+    """For the next run of ``trainer``, let ``handler`` take ``signals`` from Lightning's handlers.
+
+    Lightning installs its handlers in ``trainer._run`` after the strategy's ``setup`` (its SIGTERM handler starts a
+    broadcast from inside the handler, which deadlocks against any collective in progress) and restores the
+    previous ones in ``trainer._teardown``. This wraps the Trainer's signal connector (once; later runs replace the
+    spec): after Lightning registered its handlers, each of ``signals`` calls ``handler(signum)`` and then the
+    handler the process had before the run (a user's own, when callable). After Lightning restored the handlers,
+    ``after_restore()`` runs, once.
+    """
+    connector = trainer._signal_connector
+    setattr(connector, _SIGNALS_ATTR, (tuple(signals), handler, after_restore))
+    if getattr(connector, "_ddp_strategy_wrapped", False):
+        return
+    register, teardown = connector.register_signal_handlers, connector.teardown
+
+    def register_signal_handlers() -> None:
+        register()
+        spec = getattr(connector, _SIGNALS_ATTR, None)
+        if spec is None or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in spec[0]:
+            before = connector._original_handlers.get(sig)
+            signal.signal(sig, _Composed(spec[1], before if callable(before) else None))
+
+    def restore_signal_handlers() -> None:
+        teardown()
+        spec = getattr(connector, _SIGNALS_ATTR, None)
+        setattr(connector, _SIGNALS_ATTR, None)
+        if spec is not None:
+            spec[2]()
+
+    connector.register_signal_handlers = register_signal_handlers
+    connector.teardown = restore_signal_handlers
+    connector._ddp_strategy_wrapped = True
+
+
+class _Composed:
+    """A signal handler: ours, then the one the process had before the run."""
+
+    def __init__(self, first: Callable[[int], None], then: Callable[..., Any] | None) -> None:
+        self.first, self.then = first, then
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.first(signum)
+        if self.then is not None:
+            self.then(signum, frame)
+
+
+def last_checkpoint_path(trainer: Any) -> tuple[str, bool]:
+    """Where a checkpoint is found by ``fit(ckpt_path="last")``; ``(path, True)`` when there is such a place.
+
+    With a ``ModelCheckpoint`` (its directory resolved at setup): its ``last`` file name, recorded as its
+    ``last_model_path`` so that the resumed run's rotation treats the file as its own last checkpoint. Without one,
+    ``<default_root_dir>/checkpoints/last.ckpt`` (``False``: ``"last"`` does not look there, pass the path).
+    """
+    callback = trainer.checkpoint_callback
+    checkpoint_cls = pl.callbacks.ModelCheckpoint
+    if isinstance(callback, checkpoint_cls) and callback.dirpath is not None:
+        monitor_candidates = getattr(callback, "_monitor_candidates", None)
+        metrics = monitor_candidates(trainer) if callable(monitor_candidates) else {}
+        path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
+        callback.last_model_path = path
+        return str(path), True
+    return os.path.join(str(trainer.default_root_dir), "checkpoints", "last.ckpt"), False
+
+
+class _ExitCodeLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher; a rank that exits with a preemption code makes the main process exit with it.
+
+    While the ranks run, the preemption signals the main process receives are passed on to them (it is no rank
+    and has no checkpoint to write).
+    """
+
+    def __init__(self, strategy: Any, start_method: Any, exit_codes: frozenset[int], signals: tuple[int, ...]) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self.exit_codes = exit_codes
+        self.signals = signals
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        from torch.multiprocessing.spawn import ProcessExitedException
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._pass_on) for sig in self.signals}
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as err:
+            if err.exit_code in self.exit_codes:
+                raise SystemExit(err.exit_code) from None  # each rank printed why it stopped
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _pass_on(self, signum: int, frame: Any) -> None:
+        for process in getattr(self, "procs", []):
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+
+def preemption_aware_launcher(strategy: Any, exit_codes: frozenset[int], signals: tuple[int, ...]) -> None:
+    """Replace the strategy's spawn launcher (``_MultiProcessingLauncher``) by :class:`_ExitCodeLauncher`."""
+    launcher = strategy._launcher
+    if type(launcher) is _MultiProcessingLauncher:
+        strategy._launcher = _ExitCodeLauncher(strategy, launcher._start_method, exit_codes, signals)

@@ -43,6 +43,7 @@ SHARED_MODULES = frozenset(
         "fingerprint",
         "peers",
         "positions",
+        "preemption",
         "trainable",
     }
 )
@@ -78,8 +79,9 @@ from .. import __version__  # noqa: E402
 from ._compat.lightning import StrategyRegistry  # noqa: E402
 from .errors import *  # noqa: E402, F403
 from .errors import __all__ as _errors  # noqa: E402
+from .preemption import Preempted  # noqa: E402
 from .strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy  # noqa: E402
 
-__all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy", "__version__", *_errors]
+__all__ = ["DEFAULT_BARRIER_TIMEOUT", "Preempted", "SafeDDPStrategy", "__version__", *_errors]
 
 SafeDDPStrategy.register_strategies(StrategyRegistry)

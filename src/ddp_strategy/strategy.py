@@ -32,6 +32,7 @@ from ._compat.lightning import (
     rank_zero_info,
     rank_zero_warn,
     rebuild_ddp_wrapper,
+    reseed_as_fit_does,
     restore_before_second_train_iterator,
     route_resume_path,
     set_sampler_epoch,
@@ -769,6 +770,7 @@ class SafeDDPStrategy(DDPStrategy):
             PACKAGE_KEY: checkpoint.get(PACKAGE_KEY),
             "global_step": checkpoint.get("global_step", 0),
             "skip_batches": protocol.batches_done_mid_epoch(checkpoint),
+            "before_training": protocol.saved_before_training(checkpoint),
         }
         return checkpoint
 
@@ -810,14 +812,19 @@ class SafeDDPStrategy(DDPStrategy):
                     "this epoch starts over from its first batch. Checkpoint at epoch ends for exact resumption."
                 )
             return resumed if resumed is not None else dataloader
-        if not _persistent_workers(dataloader) and not restore_before_second_train_iterator(trainer, self._restore_rng):
-            self._restore_rng()  # else: the uninterrupted run drew no seed here; restore at the first batch
+        # Persistent workers: the uninterrupted run drew no seed here (restore at the first batch), unless it was
+        # saved before fit, whose first iterator the uninterrupted run created here too.
+        fresh_iterator = self._resumed["before_training"] or not _persistent_workers(dataloader)
+        if fresh_iterator and not restore_before_second_train_iterator(trainer, self._restore_rng):
+            self._restore_rng()
         return dataloader
 
     def _restore_rng(self) -> None:
         if self._resumed is None:
             return
         warning = protocol.restore_rng(self._resumed, rank=self.global_rank, world_size=self.world_size)
+        if self._resumed["before_training"]:  # saved before fit: the uninterrupted fit re-seeded at its set-up
+            reseed_as_fit_does()
         self._resumed = None
         if warning is not None:
             rank_zero_warn(warning)

@@ -315,6 +315,9 @@ def main() -> None:
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--save-weights", help="rank 0 saves the final state_dict here")
     parser.add_argument("--save-after-fit", help="every rank calls trainer.save_checkpoint(PATH) after fit returns")
+    parser.add_argument("--no-sanity-check", action="store_true", help="Trainer(num_sanity_val_steps=0)")
+    parser.add_argument("--validate-first", action="store_true", help="trainer.validate(model, val) before fit")
+    parser.add_argument("--save-before-fit", help="every rank calls trainer.save_checkpoint(PATH) before fit")
     parser.add_argument("--save-after-fit-rank0-only", action="store_true", help="... inside `if is_global_zero:`")
     parser.add_argument("--save-rank-weights", help="every rank saves its final state_dict to DIR/rank<g>.pt")
     parser.add_argument("--hang-watchdog", type=float, default=0, help="add HangWatchdog(timeout=S)")
@@ -379,7 +382,12 @@ def main() -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             use_distributed_sampler=not args.no_distributed_sampler,
+            num_sanity_val_steps=0 if args.no_sanity_check else 2,
         )
+        if args.validate_first:
+            trainer.validate(model, val, verbose=False)
+        if args.save_before_fit:
+            trainer.save_checkpoint(args.save_before_fit)  # by hand before fit (after validate), on every rank
         trainer.fit(model, train, val, ckpt_path=args.resume)
         if args.scenario == "two_fits":
             trainer.validate(model, val, verbose=False)

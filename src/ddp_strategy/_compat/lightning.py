@@ -59,6 +59,7 @@ __all__ = [
     "rank_zero_warn",
     "rebuild_ddp_wrapper",
     "reinstantiate_dataloader",
+    "reseed_as_fit_does",
     "restore_before_second_train_iterator",
     "route_resume_path",
     "set_rng_states",
@@ -289,6 +290,11 @@ def restore_before_second_train_iterator(trainer: Any, restore: Callable[[], Non
 
     epoch_loop.on_run_start = on_run_start
     return True
+
+
+def reseed_as_fit_does() -> None:
+    """Re-seed as Lightning does when a stage sets up its process group: from ``seed_everything``'s seed, if any."""
+    fabric.utilities.seed.reset_seed()
 
 
 # ---------------------------------------------------------------------------------------------- private: processes

@@ -317,6 +317,19 @@ def batches_done_mid_epoch(checkpoint: dict[str, Any]) -> int:
         return 0
 
 
+def saved_before_training(checkpoint: dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved before its fit trained anything (no epoch started, no optimizer step).
+
+    That is ``trainer.save_checkpoint`` before ``fit`` (after another stage): an uninterrupted run would go on into
+    ``fit``, whose set-up re-seeds from ``seed_everything``'s seed, so that re-seeding must follow the RNG restore.
+    """
+    try:
+        total = checkpoint["loops"]["fit_loop"]["epoch_progress"]["total"]
+        return int(checkpoint.get("global_step", 0)) == 0 and int(total["started"]) == 0
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def _listed(keys: list[str], limit: int = 10) -> str:
     shown = keys[:limit]
     return ", ".join(repr(k) for k in shown) + (f", ... and {len(keys) - limit} more" if len(keys) > limit else "")

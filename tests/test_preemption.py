@@ -99,6 +99,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_bit
     assert diff == 0.0
 
 
+@pytest.mark.compat
 def test_spawn_launcher_exits_143_and_resumes_bit_exact(tmp_path):
     # the spawn launcher's main process is no rank: it exits with the code the ranks stopped with
     stop, diff = preempt_then_resume(tmp_path, "--fault", "signal:1:5", strategy="safe_ddp_spawn")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import signal
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -97,3 +99,71 @@ def test_exit_code_and_message():
     )
     err = Preempted(text, signal_name="SIGTERM", code=143, step=7, path="/ckpt/last.ckpt")
     assert isinstance(err, SystemExit) and err.code == 143 and str(err) == text
+
+
+def _fake_trainer(environment: object) -> SimpleNamespace:
+    from ddp_strategy._compat.lightning import pl
+
+    trainer = SimpleNamespace(
+        _accelerator_connector=SimpleNamespace(cluster_environment=environment),
+        strategy=SimpleNamespace(launcher=None, root_device="cpu"),
+        world_size=1,
+        local_rank=0,
+    )
+    trainer._signal_connector = pl.trainer.connectors.signal_connector._SignalConnector(trainer)
+    return trainer
+
+
+def test_lightning_keeps_its_other_handlers_and_ours_restores_at_teardown(monkeypatch):
+    from ddp_strategy._compat.lightning import fabric, handle_signals_during_run
+
+    monkeypatch.setenv("SLURM_JOB_ID", "1")  # Lightning's auto-requeue handler for SIGUSR1 is registered
+    seen: list[tuple[str, int]] = []
+
+    def user(signum: int, frame: object) -> None:  # a handler the script had before fit
+        seen.append(("user", signum))
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, user)
+    try:
+        environment = fabric.plugins.environments.SLURMEnvironment(auto_requeue=True)
+        trainer = _fake_trainer(environment)
+        connector, restored = trainer._signal_connector, []
+        handle_signals_during_run(
+            trainer, [signal.SIGTERM], lambda s: seen.append(("ours", s)), lambda: restored.append(1)
+        )
+        connector.register_signal_handlers()
+        usr1 = signal.getsignal(signal.SIGUSR1)
+        assert [h.__name__ for h in usr1.signal_handlers] == ["_slurm_sigusr_handler_fn"]  # Lightning's, untouched
+        signal.raise_signal(signal.SIGTERM)
+        assert seen == [("ours", signal.SIGTERM), ("user", signal.SIGTERM)]
+        assert not connector.received_sigterm  # Lightning's notifier (and its broadcast) did not run
+        connector.teardown()
+        assert signal.getsignal(signal.SIGTERM) is user and restored == [1]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_that_led_to_no_stop_is_delivered_again():
+    from ddp_strategy import SafeDDPStrategy
+    from ddp_strategy.callbacks.preemption_stop import PreemptionStop
+
+    strategy = SafeDDPStrategy(preemption_signals=["SIGUSR1"])
+    agreement = PreemptionAgreement(rank=0, world_size=1)
+    agreement.request(signal.SIGUSR1)  # received after the ranks' last agreement: no stop happened
+    strategy._preemption = PreemptionStop(agreement, lambda: None, lambda: None)
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        strategy._deliver_unused_signal()
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [signal.SIGUSR1]
+        strategy._preemption.stopped = (3, "x")  # after a stop: nothing is delivered again
+        strategy._deliver_unused_signal()
+        time.sleep(0.1)
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

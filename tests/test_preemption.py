@@ -25,12 +25,12 @@ pytestmark = pytest.mark.multiprocess
 #: the documented bound: every rank out within this many seconds of the first signal (small model, CPU)
 EXIT_BOUND_SECONDS = 30.0
 
-_SENT = re.compile(r"FaultInjector: sending SIGTERM at t=([\d.]+) \(training goes on\) on rank (\d+) at step (\d+)")
+_SENT = re.compile(r"FaultInjector: sending (SIG\w+) at t=([\d.]+) \(training goes on\) on rank (\d+) at step (\d+)")
 _STOP = re.compile(
     r"ddp_strategy: preempted: rank (\d+) "
-    r"(received SIGTERM at step \d+|stops for SIGTERM on rank \d+ \(at step \d+\)); "
-    r"all (\d+) rank\(s\) stopped after step (\d+) \([\d.]+ s after the signal\) and saved (\S+); resume with "
-    r"trainer\.fit\(\.\.\., ckpt_path=\"last\"\)\. Exiting with code 143 \(SIGTERM\)\."
+    r"(received SIG\w+ at step \d+|stops for SIG\w+ on rank \d+ \(at step \d+\)); "
+    r"all (\d+) rank\(s\) stopped after step (\d+) \(([\d.]+) s after the signal\) and saved (\S+); resume with "
+    r"trainer\.fit\(\.\.\., ckpt_path=\"last\"\)\. Exiting with code (\d+) \((SIG\w+)\)\."
 )
 
 
@@ -38,42 +38,53 @@ _STOP = re.compile(
 class Stop:
     step: int
     path: Path
-    signalled: dict[int, int]  # rank -> global step at which it sent itself SIGTERM
+    signalled: dict[int, int]  # rank -> global step at which it sent itself the signal
     receivers: set[int]  # ranks whose stop line says "received"
+    first_signal: float  # time.time() of the first signal
 
 
-def assert_preempted(run: Run, finished: float, world_size: int = 2) -> Stop:
-    """The run stopped as documented: exit 143, one stop line per rank agreeing on step and file, within the bound,
-    the file verifies and holds a step >= every signal's, no process left."""
-    assert run.returncode == 143, run.describe()
-    assert not run.timed_out and not run.orphans, run.describe()
-    sent = _SENT.findall(run.output)
-    assert sent, run.describe()
-    stops = _STOP.findall(run.output)
-    assert sorted(int(s[0]) for s in stops) == list(range(world_size)), run.describe()
-    assert {(int(s[2]), int(s[3]), s[4]) for s in stops} == {(world_size, int(stops[0][3]), stops[0][4])}
-    step, path = int(stops[0][3]), Path(stops[0][4])
-    signalled = {int(rank): int(at) for _, rank, at in sent}
-    assert finished - min(float(t) for t, _, _ in sent) < EXIT_BOUND_SECONDS, run.describe()
-    record = verify(str(path))
-    assert record.global_step == step and step >= max(signalled.values())
-    assert "Traceback" not in run.output and "failed" not in run.output.lower(), run.describe()
+def assert_stopped(output: str, *, signal_name: str = "SIGTERM", world_size: int = 2, written: bool = True) -> Stop:
+    """One stop line per rank, agreeing on step, file and exit code (128 + signal), each within the bound of the
+    signal; the step is >= every signal's, and the file (unless ``written`` is False: a later run replaced it)
+    verifies and holds that step."""
+    sent = _SENT.findall(output)
+    assert sent and {s[0] for s in sent} == {signal_name}, output[-6000:]
+    stops = _STOP.findall(output)
+    assert sorted(int(s[0]) for s in stops) == list(range(world_size)), output[-6000:]
+    code = str(128 + signal.Signals[signal_name])
+    assert {(int(s[2]), s[3], s[5], s[6], s[7]) for s in stops} == {
+        (world_size, stops[0][3], stops[0][5], code, signal_name)
+    }
+    assert all(float(s[4]) < EXIT_BOUND_SECONDS for s in stops), stops
+    step, path = int(stops[0][3]), Path(stops[0][5])
+    signalled = {int(rank): int(at) for _, _, rank, at in sent}
+    assert step >= max(signalled.values())
+    if written:
+        assert verify(str(path)).global_step == step
     receivers = {int(s[0]) for s in stops if s[1].startswith("received")}
-    return Stop(step, path, signalled, receivers)
+    return Stop(step, path, signalled, receivers, min(float(s[1]) for s in sent))
+
+
+def assert_preempted(run: Run, finished: float, signal_name: str = "SIGTERM") -> Stop:
+    """The run stopped as documented: exit 128 + signal, every process out within the bound, nothing left."""
+    assert run.returncode == 128 + signal.Signals[signal_name], run.describe()
+    assert not run.timed_out and not run.orphans, run.describe()
+    stop = assert_stopped(run.output, signal_name=signal_name)
+    assert finished - stop.first_signal < EXIT_BOUND_SECONDS, run.describe()
+    assert "Traceback" not in run.output and "failed" not in run.output.lower(), run.describe()
+    return stop
 
 
 def preempt_then_resume(
-    tmp_path: Path, *fault_and_launch: str, strategy: str = "safe_ddp", runs_out: list[Run] | None = None
-) -> tuple[Stop, float]:
-    """Train 4 epochs with SIGTERM sent as ``fault_and_launch`` says, then resume from ``last`` to the end; return
-    the stop and the largest weight difference to the uninterrupted run."""
+    tmp_path: Path, *opts: str, strategy: str = "safe_ddp", signal_name: str = "SIGTERM"
+) -> tuple[Run, Stop, float]:
+    """Train 4 epochs with the faults and options ``opts``, then resume from ``last`` to the end; return the
+    preempted run, its stop and the largest weight difference to the uninterrupted run."""
     full, full_steps = uninterrupted_run(tmp_path, ())
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.pt"
     common = ["--max-epochs", "4", "--ckpt-dir", str(ckpt), "--strategy", strategy]
-    run = run_scenario("fit_ok", tmp_path, *common, *fault_and_launch)
-    if runs_out is not None:
-        runs_out.append(run)
-    stop = assert_preempted(run, time.time())
+    run = run_scenario("fit_ok", tmp_path, *common, *opts)
+    stop = assert_preempted(run, time.time(), signal_name)
     assert stop.path == ckpt / "last.ckpt"
     again = run_scenario("fit_ok", tmp_path, *common, "--resume", "last", "--save-weights", str(resumed))
     assert again.returncode == 0 and not again.orphans, again.describe()
@@ -81,57 +92,64 @@ def preempt_then_resume(
     assert again.result is not None
     if strategy != "safe_ddp_spawn":  # the spawn launcher's main process gets the weights back, not the step count
         assert again.result["global_step"] == full_steps
-    return stop, max_abs_diff(full, resumed)
+    return run, stop, max_abs_diff(full, resumed)
 
 
-@pytest.mark.parametrize(
-    ("faults", "receivers"),
-    [
-        pytest.param(["--fault", "signal:0:5", "--fault", "signal:1:5"], {0, 1}, marks=pytest.mark.compat),
-        (["--fault", "signal:0:5"], {0}),
-        (["--fault", "signal:1:5"], {1}),
-    ],
-    ids=["all-ranks", "rank0-only", "rank1-only"],
-)
-def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_bit_exact(tmp_path, faults, receivers):
-    stop, diff = preempt_then_resume(tmp_path, *faults)
+#: who gets SIGTERM at step 5: the FaultInjector options, and the ranks whose stop line says "received"
+TARGETS = {
+    "all-ranks": (["--fault", "signal:0:5", "--fault", "signal:1:5"], {0, 1}),
+    "rank0-only": (["--fault", "signal:0:5"], {0}),
+    "rank1-only": (["--fault", "signal:1:5"], {1}),
+}
+
+
+@pytest.mark.parametrize("target", [pytest.param("all-ranks", marks=pytest.mark.compat), "rank0-only", "rank1-only"])
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_bit_exact(tmp_path, target):
+    faults, receivers = TARGETS[target]
+    # rank0-only: rank 0 also sends itself SIGTERM inside every save from step 5 on, so a second signal arrives
+    # while the preemption checkpoint is being written; it changes nothing
+    again = ["--signal-on-save", "5"] if target == "rank0-only" else []
+    run, stop, diff = preempt_then_resume(tmp_path, *faults, *again)
+    assert stop.receivers == receivers
+    if again:
+        assert f"scenario: rank 0 sends itself SIGTERM during the save at step {stop.step}" in run.output
+    assert diff == 0.0
+
+
+def test_sigusr1_is_handled_when_listed(tmp_path):
+    # SLURM's --signal=USR1@N: listed in preemption_signals, it stops the run like SIGTERM, with exit code 138
+    opts = ["--fault", "signal:1:5:SIGUSR1", "--preemption-signals", "SIGTERM,SIGUSR1"]
+    _, stop, diff = preempt_then_resume(tmp_path, *opts, signal_name="SIGUSR1")
+    assert stop.receivers == {1} and diff == 0.0
+
+
+@pytest.mark.parametrize("target", ["all-ranks", "rank0-only", pytest.param("rank1-only", marks=pytest.mark.compat)])
+def test_spawn_launcher_exits_143_and_resumes_bit_exact(tmp_path, target):
+    # the spawn launcher's main process is no rank: it exits with the code the ranks stopped with
+    faults, receivers = TARGETS[target]
+    _, stop, diff = preempt_then_resume(tmp_path, *faults, strategy="safe_ddp_spawn")
     assert stop.receivers == receivers
     assert diff == 0.0
 
 
-@pytest.mark.compat
-def test_spawn_launcher_exits_143_and_resumes_bit_exact(tmp_path):
-    # the spawn launcher's main process is no rank: it exits with the code the ranks stopped with
-    stop, diff = preempt_then_resume(tmp_path, "--fault", "signal:1:5", strategy="safe_ddp_spawn")
-    assert stop.receivers == {1}
-    assert diff == 0.0
-
-
-def test_a_second_sigterm_during_the_save_changes_nothing(tmp_path):
-    # rank 0 sends itself SIGTERM inside every save from step 5 on: the first starts the stop, the next one arrives
-    # while the preemption checkpoint is being written
-    runs: list[Run] = []
-    stop, diff = preempt_then_resume(tmp_path, "--fault", "signal:1:5", "--signal-on-save", "5", runs_out=runs)
-    assert f"scenario: rank 0 sends itself SIGTERM during the save at step {stop.step}" in runs[0].output
-    assert diff == 0.0
-
-
 @pytest.mark.timeout(300)
-def test_torchrun_restarts_the_preempted_workers_which_resume_bit_exact(tmp_path):
-    """torchrun --max-restarts=1: rank 1 gets SIGTERM in the first attempt; both workers stop at one step and exit
-    143, torchrun restarts them, they resume from last.ckpt (ckpt_path="last") and end with the uninterrupted run's
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_torchrun_restarts_the_preempted_workers_which_resume_bit_exact(tmp_path, target):
+    """torchrun --max-restarts=1: SIGTERM in the first attempt; both workers stop at one step and exit 143,
+    torchrun restarts them, they resume from last.ckpt (ckpt_path="last") and end with the uninterrupted run's
     weights."""
+    faults, receivers = TARGETS[target]
     full, full_steps = uninterrupted_run(tmp_path, ())
     ckpt, resumed, out = tmp_path / "ckpt", tmp_path / "resumed.pt", tmp_path / "torchrun.json"
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
     cmd += [str(SCRIPTS / "scenario.py"), "fit_ok", "--out", str(out), "--max-epochs", "4", "--ckpt-dir", str(ckpt)]
-    cmd += ["--resume", "last", "--save-weights", str(resumed), "--fault", "signal:1:5"]  # first attempt only
+    cmd += ["--resume", "last", "--save-weights", str(resumed), *faults]  # the faults fire in the first attempt only
     run = run_script(cmd, timeout=240, out=out)
     assert run.returncode == 0 and not run.orphans, run.describe()
-    first_attempt = run.output.split("Restoring states from the checkpoint")[0]
-    stops = _STOP.findall(first_attempt)
-    assert sorted(int(s[0]) for s in stops) == [0, 1], run.describe()
-    assert re.search(r"failed \(exitcode: 143\) local_rank: \d", run.output), run.describe()  # torchrun's report
+    first_attempt, _ = run.output.split("Restoring states from the checkpoint", 1)
+    stop = assert_stopped(first_attempt, written=False)  # the restarted workers have written last.ckpt since
+    assert stop.receivers == receivers and stop.path == ckpt / "last.ckpt"
+    assert re.search(r"failed \(exitcode: 143\) local_rank: \d", first_attempt), run.describe()  # torchrun's report
     assert f"Restored all states from the checkpoint at {ckpt / 'last.ckpt'}" in run.output, run.describe()
     assert run.result is not None and run.result["global_step"] == full_steps
     assert max_abs_diff(full, resumed) == 0.0
@@ -178,11 +196,11 @@ def test_sigkill_during_the_preemption_save_leaves_no_bad_checkpoint(tmp_path):
 @pytest.mark.timeout(120)
 def test_stock_lightning_deadlocks_when_every_rank_gets_sigterm(tmp_path):
     """The same script with stock DDPStrategy: both ranks print Lightning's "Received SIGTERM", then wait forever in
-    the broadcast its handler starts (killed here after 45 s); nothing is saved after the signal."""
+    the broadcast its handler starts (killed here after 30 s); nothing is saved after the signal."""
     ckpt = tmp_path / "ckpt"
     run = run_scenario(
         "fit_ok", tmp_path, "--strategy", "ddp", "--max-epochs", "4", "--ckpt-dir", str(ckpt),
-        "--fault", "signal:0:5", "--fault", "signal:1:5", timeout=45,
+        "--fault", "signal:0:5", "--fault", "signal:1:5", timeout=30,
     )  # fmt: skip
     assert run.timed_out, run.describe()
     assert "[rank: 0] Received SIGTERM" in run.output and "[rank: 1] Received SIGTERM" in run.output

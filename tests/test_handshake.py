@@ -219,3 +219,14 @@ def test_sampler_seeds_of_dataloaders():
     assert train_sampler_seeds(trainer) == (5,)
     assert train_sampler_seeds(SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=None))) is None
     assert train_sampler_seeds(None) is None
+
+
+def test_sampler_seeds_look_through_the_mid_epoch_resume_sampler():
+    # issue 20: on a mid-epoch resume the training sampler is wrapped (ResumeSampler); its seed must still be seen,
+    # or the seed agreement check is silently off in every resumed run
+    from ddp_strategy.sampling import ResumeSampler
+
+    ds = TensorDataset(torch.zeros(8, 1))
+    wrapped = ResumeSampler(DistributedSampler(ds, num_replicas=2, rank=0, seed=7), skip=2)
+    assert sampler_seeds([DataLoader(ds, sampler=wrapped)]) == (7,)
+    assert sampler_seeds([DataLoader(ds, batch_size=2, sampler=ResumeSampler(wrapped, skip=0))]) == (7,)

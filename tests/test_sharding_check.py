@@ -403,6 +403,21 @@ def test_sampler_seed_per_rank_is_reported(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_mismatched_sampler_seeds_are_named_when_resuming_mid_epoch(tmp_path):
+    # issue 20: a mid-epoch resume wraps the training sampler; the handshake still compares the ranks' seeds
+    ckpt = tmp_path / "ckpt"
+    opts = ["--sampler-seed-per-rank", "--ckpt-dir", str(ckpt), "--every-n-train-steps", "3"]
+    first = run_scenario("fit_ok", tmp_path, *opts, "--max-steps", "3", "--max-epochs", "2", timeout=90)
+    assert first.returncode == 0 and not first.orphans, first.describe()
+    again = run_scenario("fit_ok", tmp_path, *opts, "--resume", "last", "--max-epochs", "1", timeout=90)
+    assert again.returncode == 0 and not again.orphans, again.describe()
+    assert "Restored all states from the checkpoint" in again.output
+    assert "no shuffling DistributedSampler" not in again.output
+    table = "Ranks use different training DistributedSampler seeds (0 on rank(s) 0; 1 on rank(s) 1)"
+    assert table in again.output, again.describe()
+
+
+@pytest.mark.multiprocess
 def test_stock_ddp_strategy_uses_the_default_group(tmp_path):
     run = run_scenario(
         "fit_ok",

@@ -149,7 +149,8 @@ def collect_facts(
 
 
 def sampler_seeds(dataloaders: Iterable[object]) -> tuple[int, ...]:
-    """The seeds of the shuffling ``DistributedSampler`` (also under a custom batch sampler) of ``dataloaders``.
+    """The seeds of the shuffling ``DistributedSampler`` (also under a custom batch sampler, or inside a sampler
+    that wraps it as ``.sampler``, as the mid-epoch resume's ``ResumeSampler`` does) of ``dataloaders``.
 
     Samplers with ``shuffle=False`` are left out: their seed has no effect.
     """
@@ -160,9 +161,20 @@ def sampler_seeds(dataloaders: Iterable[object]) -> tuple[int, ...]:
         sampler = getattr(dataloader.batch_sampler, "sampler", None)
         if sampler is None:
             sampler = dataloader.sampler
+        sampler = _unwrapped(sampler)
         if isinstance(sampler, DistributedSampler) and sampler.shuffle:
             seeds.append(int(sampler.seed))
     return tuple(seeds)
+
+
+def _unwrapped(sampler: object, depth: int = 8) -> object:
+    """The sampler inside wrappers that keep it as ``.sampler`` (``ResumeSampler`` on a mid-epoch resume)."""
+    for _ in range(depth):
+        inner = getattr(sampler, "sampler", None)
+        if isinstance(sampler, DistributedSampler) or inner is None or inner is sampler:
+            break
+        sampler = inner
+    return sampler
 
 
 def train_sampler_seeds(trainer: object | None) -> tuple[int, ...] | None:

@@ -149,10 +149,10 @@ def collect_facts(
 
 
 def sampler_seeds(dataloaders: Iterable[object]) -> tuple[int, ...]:
-    """The seeds of the shuffling ``DistributedSampler`` (also under a custom batch sampler, or inside a sampler
-    that wraps it as ``.sampler``, as the mid-epoch resume's ``ResumeSampler`` does) of ``dataloaders``.
+    """The seeds of the shuffling ``DistributedSampler`` of ``dataloaders``.
 
-    Samplers with ``shuffle=False`` are left out: their seed has no effect.
+    Also under a custom batch sampler, or inside a sampler that keeps it as ``.sampler`` (the mid-epoch resume's
+    ``ResumeSampler``). Samplers with ``shuffle=False`` are left out: their seed has no effect.
     """
     seeds: list[int] = []
     for dataloader in dataloaders:

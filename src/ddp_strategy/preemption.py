@@ -30,8 +30,8 @@ import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
+from .control import Store
 from .errors import DDPStrategyError
 
 __all__ = [
@@ -50,16 +50,6 @@ DEFAULT_PREEMPTION_SIGNALS: tuple[str, ...] = ("SIGTERM",)
 
 _SIGNAL_KEY = "preempt/signal"
 _ACK_KEY = "preempt/ack/{rank}"
-
-
-class _Store(Protocol):
-    def set(self, key: str, value: str) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def multi_get(self, keys: list[str]) -> list[bytes]: ...
-
-    def check(self, keys: list[str]) -> bool: ...
 
 
 def parse_signals(signals: Iterable[str | int] | None) -> tuple[signal.Signals, ...]:
@@ -184,7 +174,7 @@ class PreemptionAgreement:
         return self.received is not None or self.notice is not None
 
     # ------------------------------------------------------------------ training thread side
-    def at_step_boundary(self, store: _Store, step: int) -> bool:
+    def at_step_boundary(self, store: Store, step: int) -> bool:
         """Advance the agreement at an optimizer-step boundary; ``True`` when every rank stops here (after ``step``).
 
         Raises:
@@ -217,7 +207,7 @@ class PreemptionAgreement:
         self.stop_step = max(int(v) for v in store.multi_get(keys)) + 1
         return self._reached(step)
 
-    def learn(self, store: _Store) -> None:
+    def learn(self, store: Store) -> None:
         """Read which rank announced which signal, when this rank has not learned it yet (for messages)."""
         if self.notice is None and store.check([_SIGNAL_KEY]):
             self.notice = _Notice.from_json(store.get(_SIGNAL_KEY))

@@ -181,3 +181,60 @@ def test_strategy_and_watchdog_share_one_diagnosis(planes, caplog, tmp_path, fir
     # A new failure (another exception) gets its own diagnosis.
     assert diagnose_failed_peers(rank0, closed_by_peer()) is not None
     assert len(errors_logged(caplog)) == 2
+
+
+class GoneStore:
+    """A store whose host has exited: every call fails like a lost TCP connection, and is counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        raise RuntimeError("Connection reset by peer")
+
+    set = get = multi_get = check = wait = delete_key = _call
+
+
+def test_a_blocked_peer_names_rank0s_error_after_rank0_and_its_store_are_gone(planes, caplog):
+    """Rank 0 (the store's host) fails at a barrier that rank 1 never reaches; rank 1 is blocked in DDP's all-reduce
+    and gets only "Connection closed by peer" once rank 0 exits. Its heartbeat thread read rank 0's failure first,
+    and rank 0 waited for that before exiting, so rank 1 names rank 0's error without the store (issue 20)."""
+    store = dist.HashStore()
+    rank0, rank1 = plane(planes, store, 0, 2), plane(planes, store, 1, 2)
+    error = CollectiveMismatchError(
+        "Rank 0 waited 5.0 s at barrier 'only_rank0' (train.py:55 in training_step), but rank(s) 1 never arrived",
+        name="only_rank0",
+        missing_ranks=[1],
+    )
+    rank0.note_failure(error)
+    started = time.monotonic()
+    rank0.await_failure_seen()
+    assert time.monotonic() - started < WAIT / 2  # read within a few 0.05 s heartbeats, well before the bound
+    assert rank1.peer_failure is not None and rank1.peer_failure[0] == 0
+    gone = GoneStore()
+    rank1._store = gone  # type: ignore[assignment]  # rank 0 has exited
+    own = closed_by_peer()
+    rank1.note_failure(own)  # nothing is published to a store whose host failed (torch would print a C++ trace)
+    diagnosis = diagnose_failed_peers(rank1, own)
+    assert gone.calls == 0
+    assert diagnosis is not None and diagnosis.failed == (0,) and diagnosis.store_error is None
+    expected = "rank 0 failed with CollectiveMismatchError: Rank 0 waited 5.0 s at barrier 'only_rank0' (train.py:55"
+    assert "The first failure was on another rank: " + expected in diagnosis.message
+    assert errors_logged(caplog) == [diagnosis.message]
+
+
+def test_rank0_waits_for_peers_to_read_its_failure_at_most_the_bound(planes):
+    store = dist.HashStore()
+    rank0 = plane(planes, store, 0, 3)
+    plane(planes, store, 1, 3)
+    plane(planes, store, 2, 3, heartbeat=0)  # gone: never reads it
+    rank0.note_failure(ValueError("only on rank 0"))
+    started = time.monotonic()
+    rank0.await_failure_seen()
+    assert WAIT <= time.monotonic() - started < WAIT + 0.5
+    # once the diagnosis has found rank 2 gone, it is not waited for
+    rank0.failure_diagnosis = (ValueError(), PeerDiagnosis(0, "ValueError: only on rank 0", gone=(2,)))
+    started = time.monotonic()
+    rank0.await_failure_seen()
+    assert time.monotonic() - started < WAIT / 2

@@ -52,7 +52,11 @@ R = TypeVar("R")
 
 _POSITION_KEY = "pos/{rank}"
 _ARRIVAL_KEY = "barrier/{seq}/{rank}"
+_FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' heartbeat threads look for it
+_SEEN_KEY = "failure/seen/{rank}"  # a peer has read that failure (the failed store host waits for these)
 _UNNAMED = "<unnamed>"
+# back-off of a waiting barrier's polls of the store (seconds): the first and the longest pause
+_FIRST_POLL, _LAST_POLL = 0.0005, 0.02
 _REASONS = {"failed": "failed before arriving", "went_on": "went on without entering it"}
 
 
@@ -266,6 +270,8 @@ class ControlPlane:
         #: ``(exception, diagnosis)`` of this rank's failure, kept by :func:`~ddp_strategy.peers.diagnose_failed_peers`
         #: so that the strategy and the HangWatchdog share one diagnosis (one wait, one message).
         self.failure_diagnosis: tuple[BaseException, PeerDiagnosis | None] | None = None
+        #: ``(rank, position)`` of a peer's failure, read by the heartbeat thread as soon as it is published
+        self._peer_failure: tuple[int, Position] | None = None
         self._publish(self._position)
         if world_size > 1 and heartbeat_interval > 0:
             self._heartbeat = threading.Thread(
@@ -381,6 +387,8 @@ class ControlPlane:
             try:
                 key = _POSITION_KEY.format(rank=self.rank)
                 self._heartbeat_store.set(key, self._position.with_heartbeat(time.time()).to_json())
+                if self._heartbeat_store.check([_FAILED_KEY]) and self._read_peer_failure(self._heartbeat_store):
+                    return  # a failure is published: every diagnosis names it, heartbeats no longer matter
             except Exception as err:  # the store is gone: rank 0 exited or died
                 if not self._stop.is_set():
                     log.warning(
@@ -390,6 +398,29 @@ class ControlPlane:
                         err,
                     )
                 return
+
+    def _read_peer_failure(self, store: Store) -> bool:
+        """Keep the failure a peer published, and tell that rank it was seen; whether it was another rank's."""
+        failed = int(store.get(_FAILED_KEY))
+        key = _POSITION_KEY.format(rank=failed)
+        if failed == self.rank or not store.check([key]):
+            return False
+        position = Position.from_json(store.get(key))
+        if position.kind != "failed":
+            return False
+        self._peer_failure = (failed, position)
+        store.set(_SEEN_KEY.format(rank=self.rank), str(failed))
+        return True
+
+    @property
+    def peer_failure(self) -> tuple[int, Position] | None:
+        """``(rank, position)`` of another rank's failure, once this rank's heartbeat thread has read it.
+
+        Kept here so that this rank can still name it after the store is gone: when the failed rank is rank 0,
+        which hosts the store, this rank's own error (a backend ``Connection closed by peer``) comes once rank 0
+        has exited.
+        """
+        return self._peer_failure
 
     @property
     def heartbeat_interval(self) -> float:
@@ -592,15 +623,26 @@ class ControlPlane:
         entered: float,
         passed: Callable[[Position], bool] | None = None,
     ) -> None:
-        """Wait for every arrival key; fail early when a missing rank has published a failure or went past."""
+        """Wait for every arrival key; fail early when a missing rank has published a failure or went past.
+
+        Polls with ``check`` (back-off from 0.5 ms to 20 ms) rather than a store ``wait`` with a timeout: every
+        timed-out ``wait`` of a ``TCPStore`` client logs two ``[c10d] waitForInput ... timed out`` warnings, which
+        flooded the output of a barrier that some rank never reaches. Missing ranks' positions are read once per
+        poll interval.
+        """
         deadline = entered + self.timeout.total_seconds()
+        delay = _FIRST_POLL
+        next_look = time.time() + self._poll_interval
         while True:
-            remaining = deadline - time.time()
             try:
-                self._store.wait(keys, timedelta(seconds=max(0.001, min(remaining, self._poll_interval))))
-                return
+                if self._store.check(keys):
+                    return
             except Exception as err:
-                missing = self._missing(keys, name, site, err)
+                raise self._store_lost(name, site, err) from err
+            now = time.time()
+            if now >= next_look or now >= deadline:
+                next_look = now + self._poll_interval
+                missing = self._missing(keys, name, site)
                 if not missing:
                     return
                 positions = {rank: self._safe_read_position(rank) for rank in missing}
@@ -608,9 +650,11 @@ class ControlPlane:
                 went_on = passed is not None and any(
                     p is not None and p.kind != "failed" and passed(p) for p in positions.values()
                 )
-                if failed or went_on or time.time() >= deadline:
+                if failed or went_on or now >= deadline:
                     reason = "failed" if failed else "went_on" if went_on else "missing"
-                    raise self._timeout_error(name, site, positions, time.time() - entered, reason) from err
+                    raise self._timeout_error(name, site, positions, now - entered, reason)
+            time.sleep(max(0.0, min(delay, deadline - now, next_look - now)))
+            delay = min(2 * delay, _LAST_POLL)
 
     def _safe_read_position(self, rank: int) -> Position | None:
         try:
@@ -618,11 +662,11 @@ class ControlPlane:
         except Exception:  # best effort: the error being raised is what matters
             return None
 
-    def _missing(self, keys: Sequence[str], name: str, site: str, err: Exception) -> list[int]:
+    def _missing(self, keys: Sequence[str], name: str, site: str) -> list[int]:
         try:
             return [r for r, key in enumerate(keys) if not self._store.check([key])]
-        except Exception as store_err:
-            raise self._store_lost(name, site, store_err) from err
+        except Exception as err:
+            raise self._store_lost(name, site, err) from err
 
     def _timeout_error(
         self, name: str, site: str, positions: dict[int, Position | None], waited: float, reason: str
@@ -665,14 +709,51 @@ class ControlPlane:
     def note_failure(self, exception: BaseException) -> None:
         """Publish that this rank failed, so ranks waiting for it stop at once and name the error.
 
-        Best effort: when the store is unreachable the failure is only logged.
+        Best effort: when the store is unreachable the failure is only logged. Nothing is published after rank 0,
+        which hosts the store, was seen failing: its store is gone or about to go, and touching it makes torch
+        print a C++ stack trace.
         """
         text = f"{type(exception).__name__}: {exception}".splitlines()[0][:300]
         self._position = Position(kind="failed", name=text, seq=self._seq, since=time.time())
+        if self._peer_failure is not None and self._peer_failure[0] == 0:
+            return
         try:
             self._publish(self._position)
+            if not self._store.check([_FAILED_KEY]):  # the first failure is the one to name (a race is harmless)
+                self._store.set(_FAILED_KEY, str(self.rank))
         except Exception as err:
             log.warning("ddp_strategy: rank %d could not publish its failure (%s)", self.rank, err)
+
+    def await_failure_seen(self) -> None:
+        """After :meth:`note_failure` on rank 0: wait until every peer has read the failure, at most a few seconds.
+
+        Rank 0 hosts the rendezvous store (under Lightning's launchers and SLURM), so once it exits its peers can
+        no longer read why. A peer that is blocked inside a collective (DDP's all-reduce) still reads the failure
+        on its heartbeat thread, within one heartbeat interval; this waits for that, at most
+        ``max(1 s, 3 heartbeat intervals)``, so that every rank can name rank 0's error rather than a closed
+        socket. Ranks the failure's diagnosis found gone are not waited for. Without heartbeats, or with one rank,
+        it returns at once.
+        """
+        if self.world_size < 2 or self._heartbeat_interval <= 0:
+            return
+        diagnosis = self.failure_diagnosis[1] if self.failure_diagnosis is not None else None
+        gone = set(diagnosis.gone) if diagnosis is not None else set()  # they will never read it
+        pending = [r for r in range(self.world_size) if r != self.rank and r not in gone]
+        deadline = time.monotonic() + max(1.0, 3 * self._heartbeat_interval)
+        try:
+            while time.monotonic() < deadline:
+                pending = [r for r in pending if not self._seen_or_failed(r)]
+                if not pending:
+                    return
+                time.sleep(min(0.05, self._heartbeat_interval / 4))
+        except Exception as err:  # best effort: the error being raised is what matters
+            log.debug("ddp_strategy: waiting for peers to read rank %d's failure: %s", self.rank, err)
+
+    def _seen_or_failed(self, rank: int) -> bool:
+        if self._store.check([_SEEN_KEY.format(rank=rank)]):
+            return True
+        position = self.read_position(rank)
+        return position is not None and position.kind == "failed"
 
     def _store_lost(self, name: str, site: str, err: Exception) -> CollectiveMismatchError:
         return CollectiveMismatchError(

@@ -93,10 +93,11 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
     """Which other ranks failed first or are gone, after an error on this rank that names no rank; logged once.
 
     A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address.
-    Peers that published a failure are named at once; otherwise this rank publishes its own failure (so peers
-    waiting for it stop now) and waits up to ``max(1 s, 3 heartbeat intervals)`` for the other peers' heartbeats
-    to move; the ones whose heartbeat does not are named as gone. When the store cannot be read, its host (rank 0)
-    is named.
+    Peers that published a failure are named at once, also when the store is gone by now (this rank's heartbeat
+    thread keeps the first failure it reads: :attr:`ControlPlane.peer_failure`). Otherwise this rank publishes its
+    own failure (so peers waiting for it stop now) and waits up to ``max(1 s, 3 heartbeat intervals)`` for the
+    other peers' heartbeats to move; the ones whose heartbeat does not are named as gone. When the store cannot
+    be read, its host (rank 0) is named.
 
     The first call for ``exception`` does this and logs the message at ERROR level; later calls for the same
     exception return the same diagnosis at once (the result is kept on ``control``). Errors of this package
@@ -127,6 +128,9 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
 def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis | None:
     rank = control.rank
     cause = f"{type(exception).__name__}: {exception}".splitlines()[0][:200]
+    if control.peer_failure is not None:  # read by the heartbeat thread, maybe before the store went away
+        failed_rank, position = control.peer_failure
+        return PeerDiagnosis(rank, cause, failed=(failed_rank,), positions={failed_rank: position}, seen_at=time.time())
     try:
         first = control.read_positions()
         seen_at = time.time()

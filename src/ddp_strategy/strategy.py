@@ -487,6 +487,8 @@ class SafeDDPStrategy(DDPStrategy):
         if self._control is not None:
             self._control.note_failure(exception)
             diagnose_failed_peers(self._control, exception)  # logs it, unless a HangWatchdog's on_exception did
+            if self.global_rank == 0:  # the store's host: let every peer read the failure before it goes away
+                self._control.await_failure_seen()
         super().on_exception(exception)
 
     @override

@@ -41,6 +41,7 @@ __all__ = [
     "RunningStage",
     "StrategyRegistry",
     "TrainerFn",
+    "UnrepeatedDistributedSampler",
     "add_callback",
     "collect_rng_states",
     "count_checkpointed_batch_as_completed",
@@ -83,6 +84,7 @@ _PL, _FABRIC = (
 if TYPE_CHECKING:
     import lightning.fabric as fabric
     import lightning.pytorch as pl
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
     from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper as IndexBatchSamplerWrapper
 else:
     for _sub in (
@@ -97,8 +99,12 @@ else:
         import_module(f"{_PL}.{_sub}")
     fabric = import_module(_FABRIC)
     pl = import_module(_PL)
+    _overrides = import_module(f"{_PL}.overrides.distributed")
     #: Lightning's wrapper that records batch indices for ``trainer.predict``.
-    IndexBatchSamplerWrapper = import_module(f"{_PL}.overrides.distributed")._IndexBatchSamplerWrapper
+    IndexBatchSamplerWrapper = _overrides._IndexBatchSamplerWrapper
+    #: Lightning's unpadded ``DistributedSampler``: the ``batch_sampler.sampler`` stock ``trainer.predict`` gives each
+    #: rank (a subclass of it, ``UnrepeatedDistributedSamplerWrapper``). Same module in Lightning 2.4 to 2.6.
+    UnrepeatedDistributedSampler = _overrides.UnrepeatedDistributedSampler
 
 #: The bound package's version, e.g. ``"2.6.6"``.
 VERSION: str = metadata.version(NAMESPACE.replace("_", "-"))

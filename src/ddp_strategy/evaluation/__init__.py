@@ -3,6 +3,7 @@
 from .coordinator import PREDICTIONS_ON, ExactEvaluation, interleave_batches
 from .sharding import (
     BatchShardSampler,
+    RankShareSampler,
     RankStridedIterable,
     SeededPermutationSampler,
     shard_evaluation_dataloader,
@@ -12,6 +13,7 @@ __all__ = [
     "PREDICTIONS_ON",
     "BatchShardSampler",
     "ExactEvaluation",
+    "RankShareSampler",
     "RankStridedIterable",
     "SeededPermutationSampler",
     "interleave_batches",

@@ -5,6 +5,11 @@ length with repeated samples. Here the devices=1 batches are rebuilt (the user's
 batch sampler, over the user's sampler) and *whole batches* are dealt to the ranks round-robin: batch ``i`` goes to
 rank ``i % world_size``. Each rank therefore sees exactly the batches a single device would see (same composition,
 same numerics), shards may be uneven or empty, and the original order is recovered by interleaving.
+
+Each :class:`BatchShardSampler` also carries, as its ``sampler`` attribute, a :class:`RankShareSampler`: the rank's
+share as sample indices, a subclass of Lightning's ``UnrepeatedDistributedSampler`` (what stock ``trainer.predict``
+puts there), so code that inspects ``dataloader.batch_sampler.sampler`` finds a distributed sampler as under stock
+``DDPStrategy``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.utils.data import (
 from .._compat.lightning import (
     IndexBatchSamplerWrapper,
     RunningStage,
+    UnrepeatedDistributedSampler,
     dataloader_init_args,
     reinstantiate_dataloader,
     unwrap_index_batch_sampler,
@@ -35,6 +41,7 @@ from .._compat.lightning import (
 
 __all__ = [
     "BatchShardSampler",
+    "RankShareSampler",
     "RankStridedIterable",
     "SeededPermutationSampler",
     "ShardResult",
@@ -79,15 +86,22 @@ class BatchShardSampler(Sampler[list[int]]):
         batch_sampler: the batch sampler a single device would use (yields lists of dataset indices).
         rank: this process's global rank.
         world_size: number of ranks.
+        dataset: the dataset the indices refer to, kept as ``sampler.dataset`` (``None`` when not known).
+
+    Attributes:
+        sampler: this rank's share as sample indices (:class:`RankShareSampler`). An instance attribute, so that
+            Lightning's predict index wrapper, which copies the instance ``__dict__``, exposes it as well. The
+            batches are drawn from ``batch_sampler`` directly, never through it.
 
     """
 
-    def __init__(self, batch_sampler: Any, rank: int, world_size: int) -> None:
+    def __init__(self, batch_sampler: Any, rank: int, world_size: int, *, dataset: object = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"Need 0 <= rank < world_size, got rank={rank}, world_size={world_size}.")
         self.batch_sampler = batch_sampler
         self.rank = rank
         self.world_size = world_size
+        self.sampler = RankShareSampler(self, dataset)
 
     @property
     def global_batches(self) -> int | None:
@@ -108,6 +122,92 @@ class BatchShardSampler(Sampler[list[int]]):
         if total is None:
             raise TypeError(f"{type(self.batch_sampler).__name__} has no length")
         return max(0, (total - self.rank + self.world_size - 1) // self.world_size)
+
+
+class RankShareSampler(UnrepeatedDistributedSampler):
+    """One rank's share of an exactly sharded evaluation dataloader, as the sample indices it yields, in order.
+
+    The flattened batches ``r, r+W, r+2W, ...`` of the single-device batch sampler that a
+    :class:`BatchShardSampler` deals to rank ``r`` of ``W``: over all ranks every sample the single device would
+    run is yielded exactly once, with no padding. It is the ``sampler`` attribute of its :class:`BatchShardSampler`,
+    so ``trainer.predict_dataloaders[i].batch_sampler.sampler`` (and ``batch_sampler.sampler`` of the validation and
+    test dataloaders) is one, as stock ``DDPStrategy`` puts a Lightning ``UnrepeatedDistributedSampler`` there
+    (padded ``DistributedSampler`` for validation and test). The dataloader does not draw from it: it draws whole
+    batches from the :class:`BatchShardSampler`.
+
+    A subclass of Lightning's ``UnrepeatedDistributedSampler`` (a ``torch.utils.data.DistributedSampler``), so
+    ``isinstance`` checks written for stock hold. The base initialisers are not called, because they compute a
+    share of their own (and Lightning's asserts that every rank has a sample, which an exact shard need not have);
+    the attributes they set are set here to this share's values: ``dataset``, ``num_replicas`` (the world size),
+    ``rank``, ``epoch`` (0 until :meth:`set_epoch`), ``drop_last`` (``False``: nothing is padded or dropped beyond
+    what the single-device batch sampler drops), ``shuffle`` (the single-device order is a random permutation:
+    a :class:`SeededPermutationSampler` or a ``RandomSampler``), ``seed`` (that of the
+    :class:`SeededPermutationSampler`, whose order is ``seed + epoch`` as ``DistributedSampler``'s; else 0), and
+    ``num_samples`` / ``total_size`` (this rank's and all ranks' sample counts; reading them raises
+    ``AttributeError`` where :meth:`__len__` raises ``TypeError``).
+
+    Iterating it iterates the single-device batch sampler once more, as :class:`BatchShardSampler` does; with a
+    custom sampler whose order depends on a generator's state, that moves the generator on.
+
+    Args:
+        shard: the :class:`BatchShardSampler` whose batches this rank runs.
+        dataset: the dataset the indices refer to (``None`` when not known).
+
+    """
+
+    def __init__(self, shard: BatchShardSampler, dataset: object = None) -> None:
+        # Not super().__init__(): see the class docstring. These are the attributes DistributedSampler.__init__ sets.
+        self.shard = shard
+        self.dataset = cast(Any, dataset)  # typed Dataset by torch; None when not known
+        self.num_replicas = shard.world_size
+        self.rank = shard.rank
+        self.epoch = 0
+        self.drop_last = False
+        order = getattr(shard.batch_sampler, "sampler", None)
+        self.shuffle = isinstance(order, (SeededPermutationSampler, RandomSampler))
+        self.seed = order.seed if isinstance(order, SeededPermutationSampler) else 0
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        """This rank's number of samples (as ``len``); ``AttributeError`` when it is not known without iterating."""
+        counts = self._counts()
+        if counts is None:
+            raise AttributeError(f"the sample count of a {type(self.shard.batch_sampler).__name__} is not known")
+        return counts[0]
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        """All ranks' number of samples; ``AttributeError`` when it is not known without iterating."""
+        counts = self._counts()
+        if counts is None:
+            raise AttributeError(f"the sample count of a {type(self.shard.batch_sampler).__name__} is not known")
+        return counts[1]
+
+    def _counts(self) -> tuple[int, int] | None:
+        """``(this rank's samples, all ranks' samples)``, known for a standard ``BatchSampler`` over a sized sampler."""
+        batches = self.shard.batch_sampler
+        if type(batches) is not BatchSampler or not isinstance(batches.sampler, Sized):
+            return None
+        size, count = batches.batch_size, len(batches)
+        total = count * size if batches.drop_last else len(batches.sampler)
+        mine = len(range(self.rank, count, self.num_replicas)) * size
+        if count > 0 and (count - 1) % self.num_replicas == self.rank:
+            mine -= count * size - total  # the last batch is this rank's: it may be short
+        return mine, total
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record ``epoch`` and forward it as :meth:`BatchShardSampler.set_epoch` does (the batches follow it)."""
+        self.epoch = epoch
+        self.shard.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:  # type: ignore[override]
+        return (index for batch in self.shard for index in batch)
+
+    def __len__(self) -> int:
+        counts = self._counts()
+        if counts is None:
+            raise TypeError(f"the share of a {type(self.shard.batch_sampler).__name__} has no known length")
+        return counts[0]
 
 
 class RankStridedIterable(IterableDataset[Any]):
@@ -232,7 +332,7 @@ def shard_evaluation_dataloader(
         drop_last = bool(getattr(batch_sampler, "drop_last", dataloader.drop_last))
         single_batches = BatchSampler(single, size, drop_last and not predicting)
     custom_batches = type(single_batches) is not BatchSampler
-    shard: Any = BatchShardSampler(single_batches, rank, world_size)
+    shard: Any = BatchShardSampler(single_batches, rank, world_size, dataset=dataset)
     if predicting:
         shard = IndexBatchSamplerWrapper(shard)
     dl_kwargs.update(sampler=None, shuffle=False, batch_sampler=shard, batch_size=1, drop_last=False)

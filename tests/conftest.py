@@ -1,10 +1,27 @@
 from __future__ import annotations
 
 import os
+import signal
+from types import FrameType
 
 import pytest
 import torch
 import torch.distributed as dist
+
+
+def _interrupt_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"pytest received signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM to pytest (a CI job's timeout, ``kill``) ends the run like Ctrl-C, through every ``finally``.
+
+    Without this, SIGTERM ends the interpreter at once: a test's ``finally`` that kills the process group of the
+    script it started (``tests/proc.py``, the SIGKILL trials) never runs, and a 1000-epoch training job of that
+    test kept two cores busy for half an hour after its pytest was killed (seen here).
+    """
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 
 def cuda_devices() -> int:

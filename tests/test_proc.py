@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,5 +97,46 @@ def test_without_tests_proc_the_same_timeout_leaves_orphans(tmp_path):
         assert all(alive(pid) for pid in pids), f"expected orphans, found {[p for p in pids if alive(p)]}"
     finally:
         for pid in pids:  # each sleeper's group (all three share one)
+            with contextlib.suppress(ProcessLookupError):
+                kill_group(os.getpgid(pid))
+
+
+@pytest.mark.parametrize("conftest", [True, False], ids=["with-conftest", "without"])
+def test_sigterm_to_pytest_runs_the_finally_that_kills_the_scripts_group(tmp_path, conftest):
+    """A CI job's timeout (or ``kill``) sends pytest SIGTERM. With tests/conftest.py's handler it ends the run like
+    Ctrl-C, through ``run_script``'s ``finally``, and the sleepers die; without it the interpreter ends at once and
+    all three keep running (the control)."""
+    pids = tmp_path / "pids.txt"
+    test_file = tmp_path / "test_inner.py"
+    test_file.write_text(GUARDED.format(pids=str(pids)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plugin = ["-p", "tests.conftest"] if conftest else []
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", *plugin,
+         "--rootdir", str(tmp_path)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    found: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and "parent " in pids.read_text()):
+            assert time.monotonic() < deadline and inner.poll() is None, "the sleepers did not start"
+            time.sleep(0.1)
+        lines = pids.read_text().splitlines()
+        found = [int(x) for x in lines if not x.startswith("parent ")] + [int(lines[-1].split()[1])]
+        inner.send_signal(signal.SIGTERM)
+        output, _ = inner.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in found) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if conftest:
+            assert inner.returncode == 2 and "KeyboardInterrupt" in output, output  # pytest's interrupted exit
+            assert not [pid for pid in found if alive(pid)], f"survivors of {found}:\n{output}"
+        else:
+            assert inner.returncode == -signal.SIGTERM, output
+            assert all(alive(pid) for pid in found), f"expected orphans, found {[p for p in found if alive(p)]}"
+    finally:
+        kill_group(inner.pid)
+        for pid in found:
             with contextlib.suppress(ProcessLookupError):
                 kill_group(os.getpgid(pid))

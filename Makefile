@@ -7,13 +7,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-fast test-compat test-gpu lint docs format bench bench-quick clean bench-extra
+.PHONY: help install demo test test-fast test-compat test-gpu test-slurm lint docs format bench bench-quick clean bench-extra
 
 help:
 	@echo "make demo   - set up .venv, train the CIFAR-10 example on 2 CPU processes with SafeDDPStrategy"
 	@echo "make test   - set up .venv, run lint (ruff, mypy) and the whole test suite"
 	@echo "make test-compat - the tests marked compat on the lowest and newest declared Lightning/torchmetrics (own venvs)"
 	@echo "make test-gpu - the GPU/NCCL tests (marker gpu; 1 or 2 CUDA devices each, skipped with a reason when fewer)"
+	@echo "make test-slurm - the SLURM tests (marker slurm): installs SLURM + MUNGE (Debian, root) and runs jobs on a one-node cluster"
 	@echo "make lint   - ruff + mypy only"
 	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
 	@echo "make bench  - the benchmark suite (vs stock Lightning and a raw DDP loop), handshake, callback and weight-check costs"
@@ -52,6 +53,13 @@ test-fast: $(STAMP)
 GPU_TESTS_REQUIRE ?= 0
 test-gpu: $(STAMP)
 	DDP_STRATEGY_REQUIRE_GPUS=$(GPU_TESTS_REQUIRE) $(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
+
+# The tests marked slurm (tests/test_slurm.py) on a one-node SLURM cluster on localhost that the tests start and stop
+# (.ci/slurm-cluster.sh; config and state in a pytest tmp dir). The install needs root and apt-get: without them
+# (exit code 3 or 4) the tests are skipped with the reason. `make test` skips them.
+test-slurm: $(STAMP)
+	bash .ci/slurm-cluster.sh install || { status=$$?; [ $$status -eq 3 ] || [ $$status -eq 4 ] || exit $$status; }
+	DDP_STRATEGY_SLURM_TESTS=1 $(PY) -m pytest -m slurm -rs $(PYTEST_ARGS)
 
 # Own virtual environments under build/compat (see .ci/compat.sh and .ci/compat/*.txt); needs no .venv.
 test-compat:

@@ -71,7 +71,9 @@ def assert_rank1_names_rank0s_barrier(run) -> None:
     """
     line = next((x for x in run.output.splitlines() if x.startswith("ddp_strategy: rank 1 stops after")), "")
     assert "The first failure was on another rank: rank 0 failed with CollectiveMismatchError" in line, run.describe()
-    assert "barrier 'only_rank0' (tests/scripts/scenario.py:55 in training_step)" in line, run.describe()
+    source = (SCRIPTS / "scenario.py").read_text().splitlines()
+    lineno = next(i for i, x in enumerate(source, 1) if 'barrier("only_rank0")' in x)
+    assert f"barrier 'only_rank0' (tests/scripts/scenario.py:{lineno} in training_step)" in line, run.describe()
     assert sum("[c10d]" in x for x in run.output.splitlines()) <= 2, run.describe()
 
 

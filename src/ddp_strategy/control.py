@@ -387,8 +387,10 @@ class ControlPlane:
             try:
                 key = _POSITION_KEY.format(rank=self.rank)
                 self._heartbeat_store.set(key, self._position.with_heartbeat(time.time()).to_json())
-                if self._heartbeat_store.check([_FAILED_KEY]) and self._read_peer_failure(self._heartbeat_store):
-                    return  # a failure is published: every diagnosis names it, heartbeats no longer matter
+                if self._peer_failure is None and self._heartbeat_store.check([_FAILED_KEY]):
+                    self._read_peer_failure(self._heartbeat_store)
+                if self._peer_failure is not None and self._peer_failure[0] == 0:
+                    return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
             except Exception as err:  # the store is gone: rank 0 exited or died
                 if not self._stop.is_set():
                     log.warning(
@@ -399,18 +401,16 @@ class ControlPlane:
                     )
                 return
 
-    def _read_peer_failure(self, store: Store) -> bool:
-        """Keep the failure a peer published, and tell that rank it was seen; whether it was another rank's."""
+    def _read_peer_failure(self, store: Store) -> None:
+        """Keep the first failure another rank published, and tell that rank it was seen."""
         failed = int(store.get(_FAILED_KEY))
         key = _POSITION_KEY.format(rank=failed)
         if failed == self.rank or not store.check([key]):
-            return False
+            return
         position = Position.from_json(store.get(key))
-        if position.kind != "failed":
-            return False
-        self._peer_failure = (failed, position)
-        store.set(_SEEN_KEY.format(rank=self.rank), str(failed))
-        return True
+        if position.kind == "failed":
+            self._peer_failure = (failed, position)
+            store.set(_SEEN_KEY.format(rank=self.rank), str(failed))
 
     @property
     def peer_failure(self) -> tuple[int, Position] | None:

@@ -1217,3 +1217,58 @@ def test_resolve_weights_only_follows_torch_load(force, force_no, weights_only, 
         else:
             monkeypatch.setenv(name, value)
     assert ddp_io.resolve_weights_only(weights_only) == expected
+
+
+# ------------------------------------------------------------------------- protocol: where a step checkpoint resumes
+def _fit_loop_state(
+    *, epochs: tuple[int, int, int, int], batches: tuple[int, int, int, int], done_in_epoch: int, last: bool
+) -> dict[str, Any]:
+    """A checkpoint's ``loops`` entry; epoch and batch totals as (ready, started, processed, completed)."""
+
+    def progress(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
+        return {"ready": ready, "started": started, "processed": processed, "completed": completed}
+
+    return {
+        "loops": {
+            "fit_loop": {
+                "epoch_progress": {"total": progress(*epochs), "current": progress(*epochs)},
+                "epoch_loop.batch_progress": {
+                    "total": progress(*batches),
+                    "current": progress(done_in_epoch, done_in_epoch, done_in_epoch, done_in_epoch - 1),
+                    "is_last_batch": last,
+                },
+            }
+        }
+    }
+
+
+def test_step_checkpoint_in_the_middle_of_an_epoch_skips_the_batches_done():
+    # saved in on_train_batch_end of batch 2 of 4 in epoch 1 (a ModelCheckpoint every 6 steps, or a preemption stop)
+    mid = _fit_loop_state(epochs=(2, 2, 1, 1), batches=(6, 6, 6, 5), done_in_epoch=2, last=False)
+    assert protocol.batches_done_mid_epoch(mid) == 2
+    assert not protocol.saved_after_last_batch(mid)
+
+
+@pytest.mark.compat
+def test_step_checkpoint_after_an_epochs_last_batch_resumes_with_the_next_epoch():
+    # saved in on_train_batch_end of batch 4 of 4 in epoch 1: Lightning >= 2.5 counts epoch 1 as done on restore,
+    # so nothing is skipped (skipping 4 batches of epoch 2 lost a whole epoch of training, found in CI 2026-11-25)
+    last = _fit_loop_state(epochs=(2, 2, 1, 1), batches=(8, 8, 8, 7), done_in_epoch=4, last=True)
+    assert protocol.saved_after_last_batch(last)
+    assert protocol.batches_done_mid_epoch(last, last_batch_ends_epoch=True) == 0
+    # Lightning 2.4 re-enters epoch 1 instead, with its 4 batches done: they are skipped there
+    assert protocol.batches_done_mid_epoch(last, last_batch_ends_epoch=False) == 4
+
+
+def test_epoch_end_checkpoint_skips_nothing():
+    done = _fit_loop_state(epochs=(2, 2, 2, 1), batches=(8, 8, 8, 8), done_in_epoch=4, last=True)
+    assert protocol.batches_done_mid_epoch(done) == 0
+    assert not protocol.saved_after_last_batch(done)
+
+
+@pytest.mark.compat
+def test_the_installed_lightning_resumes_a_last_batch_checkpoint_with_the_next_epoch():
+    from ddp_strategy._compat.lightning import LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH
+
+    major_minor = tuple(int(part) for part in lightning.__version__.split(".")[:2])
+    assert (major_minor >= (2, 5)) == LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._compat.lightning import (
+    LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH,
     CheckpointPath,
     DDPStrategy,
     StrategyRegistryType,
@@ -771,7 +772,13 @@ class SafeDDPStrategy(DDPStrategy):
         self._resumed = {
             PACKAGE_KEY: checkpoint.get(PACKAGE_KEY),
             "global_step": checkpoint.get("global_step", 0),
-            "skip_batches": protocol.batches_done_mid_epoch(checkpoint),
+            "skip_batches": protocol.batches_done_mid_epoch(
+                checkpoint, last_batch_ends_epoch=LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH
+            ),
+            # saved after an epoch's last batch: Lightning resumes with the next epoch, but counts it only later
+            "epochs_ahead": int(
+                LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH and protocol.saved_after_last_batch(checkpoint)
+            ),
             "before_training": protocol.saved_before_training(checkpoint),
         }
         return checkpoint
@@ -800,7 +807,10 @@ class SafeDDPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+        epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+        if self._resumed is not None:  # the fit loop's reset, after this, counts an epoch ended by the saved batch
+            epoch += int(self._resumed["epochs_ahead"])
+        set_sampler_epoch(dataloader, epoch)
         if self._resumed is None:
             return dataloader
         skip = int(self._resumed["skip_batches"])

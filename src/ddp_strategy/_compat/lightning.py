@@ -31,6 +31,7 @@ from .torch import ddp_comm_hooks, detach_ddp_reducer, reset_per_bucket_hook_sta
 
 __all__ = [
     "FIT_TAKES_WEIGHTS_ONLY",
+    "LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH",
     "NAMESPACE",
     "VERSION",
     "Callback",
@@ -129,6 +130,12 @@ rank_zero_info = pl.utilities.rank_zero_info
 move_data_to_device = fabric.utilities.apply_func.move_data_to_device
 #: Whether ``Trainer.fit``/``validate``/``test``/``predict`` take ``weights_only`` (Lightning >= 2.6).
 FIT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(pl.Trainer.fit).parameters
+#: Whether a checkpoint saved in ``on_train_batch_end`` of an epoch's last batch resumes with the next epoch
+#: (Lightning >= 2.5.0: ``FitLoop.reset`` counts the saved epoch as processed); before, the run re-entered the saved
+#: epoch with no batch left of it.
+LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH = hasattr(
+    import_module(f"{_PL}.loops.training_epoch_loop")._TrainingEpochLoop, "restarted_on_train_batch_end"
+)
 #: What Lightning accepts as a checkpoint path.
 CheckpointPath = str | Path
 #: The type of the registry passed to ``Strategy.register_strategies``.

@@ -302,19 +302,46 @@ def restore_rng(checkpoint: dict[str, Any], *, rank: int, world_size: int) -> st
     return None
 
 
-def batches_done_mid_epoch(checkpoint: dict[str, Any]) -> int:
+def batches_done_mid_epoch(checkpoint: dict[str, Any], *, last_batch_ends_epoch: bool = True) -> int:
     """How many batches of an unfinished training epoch a (step) checkpoint had consumed; 0 at epoch boundaries.
 
-    Mirrors ``FitLoop.update_restart_stage``: the epoch was started but not processed.
+    Mirrors ``FitLoop.update_restart_stage``: the epoch was started but not processed. A checkpoint saved in
+    ``on_train_batch_end`` of the epoch's *last* batch (a step checkpoint or a preemption stop that falls there) is
+    an epoch boundary where Lightning counts that epoch as done on restore (``last_batch_ends_epoch``, Lightning >=
+    2.5.0; see :func:`saved_after_last_batch`): nothing is left to skip, the run goes on with the next epoch.
     """
     try:
         loops = checkpoint["loops"]["fit_loop"]
         total = loops["epoch_progress"]["total"]
         if not (total["started"] == total["ready"] and total["processed"] == total["started"] - 1):
             return 0
+        if last_batch_ends_epoch and saved_after_last_batch(checkpoint):
+            return 0
         return int(loops["epoch_loop.batch_progress"]["current"]["processed"])
     except (KeyError, TypeError, ValueError):
         return 0
+
+
+def saved_after_last_batch(checkpoint: dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved in ``on_train_batch_end`` of the last batch of an unfinished epoch.
+
+    Lightning >= 2.5.0 restores such a checkpoint at the start of the next epoch (``FitLoop.reset``: restarted on
+    train batch end, mid-epoch, ``is_last_batch``); the epoch counter in the file is one lower until then.
+    """
+    try:
+        loops = checkpoint["loops"]["fit_loop"]
+        epochs = loops["epoch_progress"]["total"]
+        batches = loops["epoch_loop.batch_progress"]
+        total = batches["total"]
+        return bool(
+            epochs["started"] == epochs["ready"]
+            and epochs["processed"] == epochs["started"] - 1
+            and batches.get("is_last_batch", False)
+            and total["started"] == total["ready"] == total["processed"]
+            and total["completed"] == total["processed"] - 1
+        )
+    except (KeyError, TypeError):
+        return False
 
 
 def saved_before_training(checkpoint: dict[str, Any]) -> bool:

@@ -1272,3 +1272,23 @@ def test_the_installed_lightning_resumes_a_last_batch_checkpoint_with_the_next_e
 
     major_minor = tuple(int(part) for part in lightning.__version__.split(".")[:2])
     assert (major_minor >= (2, 5)) == LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH
+
+
+def test_resume_sampler_skip_belongs_to_its_epoch():
+    from torch.utils.data import DistributedSampler
+
+    from ddp_strategy.sampling import ResumeSampler
+
+    data = list(range(8))
+    inner = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)  # type: ignore[arg-type]
+    inner.set_epoch(1)
+    epoch1 = list(inner)
+    same = ResumeSampler(inner, skip=4, epoch=1)
+    same.set_epoch(1)
+    assert list(same) == epoch1[4:]  # the saved epoch: its first 4 indices were trained on
+    assert list(same) == epoch1  # only the first iteration skips
+    # Lightning 2.4 ends a restored epoch with nothing left without drawing from the loader: the next epoch is whole
+    moved = ResumeSampler(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3), skip=4, epoch=1)  # type: ignore[arg-type]
+    moved.set_epoch(2)
+    inner.set_epoch(2)
+    assert list(moved) == list(inner)

@@ -35,6 +35,7 @@ from ._compat.lightning import (
     rebuild_ddp_wrapper,
     reseed_as_fit_does,
     restore_before_second_train_iterator,
+    restore_when_the_epoch_loop_starts,
     route_resume_path,
     set_sampler_epoch,
     trainer_of,
@@ -769,16 +770,17 @@ class SafeDDPStrategy(DDPStrategy):
         chosen, checkpoint = protocol.load(control=self._control, read=read, path=str(checkpoint_path))
         protocol.check_resumable(checkpoint, chosen)
         self._loaded_path = chosen
+        after_last_batch = protocol.saved_after_last_batch(checkpoint)
         self._resumed = {
             PACKAGE_KEY: checkpoint.get(PACKAGE_KEY),
             "global_step": checkpoint.get("global_step", 0),
             "skip_batches": protocol.batches_done_mid_epoch(
                 checkpoint, last_batch_ends_epoch=LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH
             ),
-            # saved after an epoch's last batch: Lightning resumes with the next epoch, but counts it only later
-            "epochs_ahead": int(
-                LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH and protocol.saved_after_last_batch(checkpoint)
-            ),
+            # saved after an epoch's last batch: Lightning >= 2.5 resumes with the next epoch, but counts it only
+            # later; Lightning 2.4 re-enters the saved epoch and ends it without a batch
+            "epochs_ahead": int(LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH and after_last_batch),
+            "restore_at_next_epoch": not LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH and after_last_batch,
             "before_training": protocol.saved_before_training(checkpoint),
         }
         return checkpoint
@@ -816,7 +818,9 @@ class SafeDDPStrategy(DDPStrategy):
         skip = int(self._resumed["skip_batches"])
         if skip:  # resumed mid-epoch: continue after the batches already trained on; RNG at the first batch
             count_checkpointed_batch_as_completed(trainer)
-            resumed = skip_consumed_batches(dataloader, skip)
+            resumed = skip_consumed_batches(dataloader, skip, epoch)
+            if resumed is not None and self._resumed["restore_at_next_epoch"]:
+                restore_when_the_epoch_loop_starts(trainer, self._restore_rng)
             if resumed is None:
                 rank_zero_warn(
                     f"ddp_strategy: resuming in the middle of an epoch ({skip} batches done), but the training "

@@ -63,6 +63,7 @@ __all__ = [
     "reinstantiate_dataloader",
     "reseed_as_fit_does",
     "restore_before_second_train_iterator",
+    "restore_when_the_epoch_loop_starts",
     "route_resume_path",
     "set_rng_states",
     "set_sampler_epoch",
@@ -303,6 +304,23 @@ def restore_before_second_train_iterator(trainer: Any, restore: Callable[[], Non
 
     epoch_loop.on_run_start = on_run_start
     return True
+
+
+def restore_when_the_epoch_loop_starts(trainer: Any, restore: Callable[[], None]) -> None:
+    """Lightning < 2.5: call ``restore`` when the epoch loop starts (``_TrainingEpochLoop.on_run_start``), once.
+
+    Such a Lightning re-enters the epoch of a checkpoint saved after its last batch and ends it without a batch,
+    with the epoch-end validation the uninterrupted run had made after that batch; the next epoch's training
+    iterator follows. Both draw from the global RNG, as they did in the uninterrupted run after the saved state.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+
+    def on_run_start(*args: Any, **kwargs: Any) -> Any:
+        del epoch_loop.on_run_start  # once: the class's method again
+        restore()
+        return epoch_loop.on_run_start(*args, **kwargs)
+
+    epoch_loop.on_run_start = on_run_start
 
 
 def reseed_as_fit_does() -> None:

@@ -107,6 +107,21 @@ def test_callback_hooks_measured_directly():
     assert_on("bench/README.md", f"{cost['fraction_of_step']:.2%} of an MLP step")
 
 
+def test_strategy_own_cost_measured_directly():
+    cost = result("strategy_cost")
+    rows = {row["workload"]: row for row in cost["workloads"]}
+    mlp, cifar = rows["mlp"], rows["cifar"]
+    assert mlp["parameters"] == 25_616_224 and cost["devices"] == 2
+    phrase = (
+        f"`SafeDDPStrategy()`'s own work measured directly: {mlp['own_cpu_per_step_s'] * 1e6:.0f} us of CPU per step "
+        f"at 2 ranks, {mlp['fraction_of_step']:.2%} of the MLP's step and {cifar['fraction_of_step']:.2%} of "
+        "CIFAR-10's"
+    )
+    assert_on("README.md", phrase)
+    assert_on("bench/README.md", phrase)
+    assert_on("bench/README.md", f"**{1 + max(mlp['fraction_of_step'], cifar['fraction_of_step']):.4f}**")
+
+
 # ---------------------------------------------------------------------------------------------- diagnostics
 
 
@@ -239,7 +254,7 @@ def test_exact_evaluation_cost():
     assert ev["counted"] == {"ddp": ev["samples"] + 1, "safe_ddp": ev["samples"]}  # bench README: 2002 vs 2001
 
 
-@pytest.mark.parametrize("name", ["callback_cost", "checkpoint_save", "handshake", "suite"])
+@pytest.mark.parametrize("name", ["callback_cost", "checkpoint_save", "handshake", "strategy_cost", "suite"])
 def test_results_are_from_the_versions_bench_readme_names(name: str):
     """The quoted runs used torch 2.14.1 and (where recorded) Lightning 2.6.6, as bench/README.md says."""
     meta = result(name).get("meta") or result(name)["machine"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
@@ -20,17 +19,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ddp_strategy.checkpoint.io import SafeCheckpointIO
-from tests.proc import SCRIPTS, Run, run_scenario, run_script
-
-
-def stock_fit_finished(run: Run) -> bool:
-    """Stock Lightning's fit returned on every rank and no process is left.
-
-    Stock Lightning never destroys a gloo process group, so a rank sometimes aborts at interpreter exit, after the
-    fit and the script's own output ("terminate called without an active exception", SIGABRT): that is accepted.
-    """
-    aborted_at_exit = run.returncode == -signal.SIGABRT and "terminate called without an active exception" in run.output
-    return (run.returncode == 0 or aborted_at_exit) and not run.orphans and not run.timed_out
+from tests.proc import SCRIPTS, Run, run_scenario, run_script, stock_fit_finished
 
 
 def rank_lines(run: Run, rank: int) -> list[str]:

@@ -120,6 +120,9 @@ def test_strategy_own_cost_measured_directly():
     assert_on("README.md", phrase)
     assert_on("bench/README.md", phrase)
     assert_on("bench/README.md", f"**{1 + max(mlp['fraction_of_step'], cifar['fraction_of_step']):.4f}**")
+    cells = [r for r in result("suite")["analysis"]["ratios"] if r["target"] == "safe / stock"]
+    low, high = min(r["paired_min"] for r in cells), max(r["paired_max"] for r in cells)
+    assert_on("bench/README.md", f"per-round safe/stock ratios span {low:.3f} to {high:.3f} over its four cells")
 
 
 # ---------------------------------------------------------------------------------------------- diagnostics

@@ -22,7 +22,7 @@ from ddp_strategy.positions import Position
 from tests.proc import SCRIPTS, Run, run_script
 
 TORCH = os.sep + os.path.join("venv", "lib", "torch")
-CONTROL = os.path.join(hw._PACKAGE_DIR, "control.py")
+CONTROL = os.path.join(os.path.dirname(os.path.dirname(hw.__file__)), "control.py")
 
 
 def test_locate_names_a_control_plane_barrier_from_the_position():

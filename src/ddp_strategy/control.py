@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
@@ -80,6 +80,9 @@ class Store(Protocol):
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key`` (created at 0) and return its new value."""
 
 
 def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:
@@ -272,6 +275,15 @@ class ControlPlane:
         self.failure_diagnosis: tuple[BaseException, PeerDiagnosis | None] | None = None
         #: ``(rank, position)`` of a peer's failure, read by the heartbeat thread as soon as it is published
         self._peer_failure: tuple[int, Position] | None = None
+        #: the barrier the training thread waits in right now, and since when (set and cleared by the wait itself)
+        self._in_barrier: tuple[str, float] | None = None
+        self._progress: tuple[int | None, int | None] = (None, None)  # (epoch, batches started in it)
+        self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
+        self._beat_hooks: list[Callable[[Store], None]] = []
+        #: beat every 0.2 s instead of every heartbeat interval (set while a desync inquiry may come)
+        self.fast_beat = False
+        #: the desync every rank agreed on (see :mod:`ddp_strategy.desync`); a waiting barrier raises it at once
+        self.desync_error: CollectiveMismatchError | None = None
         self._publish(self._position)
         if world_size > 1 and heartbeat_interval > 0:
             self._heartbeat = threading.Thread(
@@ -368,25 +380,72 @@ class ControlPlane:
         """This rank's current position."""
         return self._position
 
-    def note_step(self, step: int, *, batch: int | None = None) -> None:
+    def note_step(
+        self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None
+    ) -> None:
         """Record that this rank is in training step ``step``; cheap enough for every step (no I/O).
 
         Args:
             step: the optimizer step (``trainer.global_step``), shown in messages.
             batch: how many training batches this rank has started in this run, this one included; lets another
                 rank tell that this one went past a point of that batch (see ``passed`` in :meth:`barrier`).
+            epoch: the training epoch of this batch.
+            epoch_batch: how many batches of that epoch this rank has started, this one included.
 
         """
         self._position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time(), batch=batch)
+        if epoch is not None:
+            self._progress = (epoch, epoch_batch)
+
+    @property
+    def progress(self) -> tuple[int | None, int | None]:
+        """``(epoch, batches started in it)`` of the last training batch this rank started (``None`` before)."""
+        return self._progress
+
+    @property
+    def in_barrier(self) -> tuple[str, float] | None:
+        """``("barrier <seq> '<name>'", since)`` while the training thread waits in a barrier of this plane."""
+        return self._in_barrier
+
+    def set_waiting(self, what: str, since: float) -> None:
+        """Record what the training thread waits in (``""``: nothing), published with every heartbeat."""
+        self._waiting = (what, since)
+
+    def add_beat(self, hook: Callable[[Store], None]) -> None:
+        """Run ``hook(store)`` on the heartbeat thread at every beat, before the position is published.
+
+        ``store`` is the heartbeat thread's own connection. An exception from ``hook`` is logged, not raised.
+        """
+        self._beat_hooks.append(hook)
+
+    def _published(self, position: Position, when: float) -> Position:
+        epoch, epoch_batch = self._progress
+        waiting, since = self._waiting
+        return replace(
+            position, heartbeat=when, epoch=epoch, epoch_batch=epoch_batch, waiting=waiting, waiting_since=since
+        )
+
+    def publish_heartbeat(self, store: Store) -> None:
+        """Publish this rank's position with a fresh heartbeat through ``store`` (a background thread's own)."""
+        store.set(_POSITION_KEY.format(rank=self.rank), self._published(self._position, time.time()).to_json())
 
     def _publish(self, position: Position) -> None:
-        self._store.set(_POSITION_KEY.format(rank=self.rank), position.with_heartbeat(time.time()).to_json())
+        self._store.set(_POSITION_KEY.format(rank=self.rank), self._published(position, time.time()).to_json())
+
+    def _beat(self) -> None:
+        for hook in self._beat_hooks:
+            try:
+                hook(self._heartbeat_store)
+            except Exception as err:  # a diagnosis must never stop the heartbeat
+                log.warning("ddp_strategy: rank %d: a heartbeat task failed: %r", self.rank, err)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_interval):
+        while not self._stop.wait(0.2 if self.fast_beat else self._heartbeat_interval):
+            self._beat()
+            if self.desync_error is not None:
+                continue  # the ranks agreed on a desync and are going down: rank 0's store may be gone any moment
             try:
-                key = _POSITION_KEY.format(rank=self.rank)
-                self._heartbeat_store.set(key, self._position.with_heartbeat(time.time()).to_json())
+                self.publish_heartbeat(self._heartbeat_store)
                 if self._peer_failure is None and self._heartbeat_store.check([_FAILED_KEY]):
                     self._read_peer_failure(self._heartbeat_store)
                 if self._peer_failure is not None and self._peer_failure[0] == 0:
@@ -630,10 +689,21 @@ class ControlPlane:
         flooded the output of a barrier that some rank never reaches. Missing ranks' positions are read once per
         poll interval.
         """
+        self._in_barrier = (f"barrier {seq} '{name}'", entered)
+        try:
+            self._wait_all_keys(keys, name, site, entered, passed)
+        finally:
+            self._in_barrier = None
+
+    def _wait_all_keys(
+        self, keys: list[str], name: str, site: str, entered: float, passed: Callable[[Position], bool] | None
+    ) -> None:
         deadline = entered + self.timeout.total_seconds()
         delay = _FIRST_POLL
         next_look = time.time() + self._poll_interval
         while True:
+            if self.desync_error is not None:  # the ranks' collectives diverged: this barrier is never completed
+                raise self.desync_error
             try:
                 if self._store.check(keys):
                     return

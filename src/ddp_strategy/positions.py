@@ -15,17 +15,35 @@ import time
 from dataclasses import asdict, dataclass, replace
 from types import FrameType
 
-__all__ = ["Position", "call_site", "format_ranks"]
+__all__ = ["Position", "call_site", "format_ranks", "is_user_path", "short_path"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # Frames in these libraries are skipped when looking for the user's own call site.
 LIBRARY_MARKERS = (
     f"{os.sep}lightning{os.sep}",
     f"{os.sep}lightning_fabric{os.sep}",
+    f"{os.sep}lightning_utilities{os.sep}",
     f"{os.sep}pytorch_lightning{os.sep}",
     f"{os.sep}torch{os.sep}",
     f"{os.sep}torchmetrics{os.sep}",
 )
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+
+
+def is_user_path(path: str) -> bool:
+    """Whether a frame's file is the user's own code: not this package, the deep-learning libraries or the stdlib."""
+    if path.startswith(_PACKAGE_DIR) or (path.startswith(_STDLIB_DIR) and "-packages" not in path):
+        return False
+    return not path.startswith("<") and not any(marker in path for marker in LIBRARY_MARKERS)
+
+
+def short_path(path: str) -> str:
+    """A file path as messages show it: relative to ``site-packages`` or to the working directory when inside."""
+    for marker in ("site-packages", "dist-packages"):
+        if marker in path:
+            return path.split(marker + os.sep, 1)[1]
+    cwd = os.getcwd()
+    return os.path.relpath(path, cwd) if path.startswith(cwd) else path
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,12 @@ class Position:
         batch: for ``"training step"``: how many training batches this rank had started in this run, this one
             included (a batch count, unlike the step number, also advances inside gradient accumulation); else
             ``None``.
+        epoch: the training epoch of the last training batch this rank started (``None`` before the first).
+        epoch_batch: how many batches of that epoch this rank had started.
+        waiting: what the rank's training thread waits in, as its heartbeat thread last saw it: a collective
+            (``"collective <group>#<seq>"``, pending in torch's Flight Recorder) or a control-plane barrier
+            (``"barrier <seq> '<name>'"``); empty when it waits in none (it runs).
+        waiting_since: wall-clock time since when it waits there unchanged.
 
     """
 
@@ -54,6 +78,10 @@ class Position:
     since: float = 0.0
     heartbeat: float = 0.0
     batch: int | None = None
+    epoch: int | None = None
+    epoch_batch: int | None = None
+    waiting: str = ""
+    waiting_since: float = 0.0
 
     def describe(self, now: float | None = None) -> str:
         """A one-line human description, e.g. ``barrier 'save' at train.py:42 in main (entered 3.1 s ago)``."""

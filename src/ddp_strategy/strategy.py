@@ -23,13 +23,14 @@ from ._compat.lightning import (
     StrategyRegistryType,
     TrainerFn,
     add_callback,
+    configure_launcher,
     count_checkpointed_batch_as_completed,
     destroy_default_process_group,
     handle_signals_during_run,
     has_callback,
     init_default_process_group,
+    logged_metric_of_caller,
     pl,
-    preemption_aware_launcher,
     rank_zero_info,
     rank_zero_warn,
     rebuild_ddp_wrapper,
@@ -41,6 +42,7 @@ from ._compat.lightning import (
     trainer_of,
     training_dataloaders,
 )
+from ._compat.torch import collective_status, enable_collective_trace
 from .callbacks.preemption_stop import PreemptionStop
 from .callbacks.sharding_check import ensure_sharding_check
 from .callbacks.weight_sync import WeightSyncCheck
@@ -50,6 +52,7 @@ from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
+from .desync import TRACE_ENTRIES, CallNotes, DesyncMonitor, LogSites
 from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
 from .fork_safety import fork_hazard, pin_collective_threads
@@ -155,6 +158,12 @@ class SafeDDPStrategy(DDPStrategy):
             wrapper with the same options, so newly trainable parameters are all-reduced (and frozen ones no longer
             awaited). A set that changed differently, or on some ranks only, raises
             :class:`~ddp_strategy.errors.RankDivergenceError`. Default: ``True``.
+        desync_detection: watch every collective of every rank (the strategy's, Lightning's ``self.log(...,
+            sync_dist=True)``, torchmetrics', the user's ``torch.distributed`` calls and DDP's gradient all-reduce,
+            through torch's Flight Recorder) and raise :class:`~ddp_strategy.errors.CollectiveMismatchError` on every
+            rank, within seconds, when the ranks' calls differ or every rank waits in a collective another never
+            enters (:class:`~ddp_strategy.errors.UnevenInputsError` for uneven training inputs). Default: ``True``;
+            needs the heartbeat (``heartbeat_interval > 0``). See :mod:`ddp_strategy.desync`.
         preemption_signals: the signals that stop ``fit`` as a preemption (names or numbers; default
             ``("SIGTERM",)``, add ``"SIGUSR1"`` for SLURM's ``--signal``; ``None`` leaves signals to Lightning).
             When any subset of ranks receives one, the ranks agree on a stop step over the control plane (no
@@ -189,6 +198,7 @@ class SafeDDPStrategy(DDPStrategy):
         weight_check_exclude: Sequence[str] = (),
         track_trainable_set: bool = True,
         preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
+        desync_detection: bool = True,
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -253,6 +263,10 @@ class SafeDDPStrategy(DDPStrategy):
         self.trainable_set_changes = 0
         self.preemption_signals = parse_signals(preemption_signals)
         self._preemption: PreemptionStop | None = None
+        self.desync_detection = bool(desync_detection)
+        self._desync: DesyncMonitor | None = None
+        self._call_notes = CallNotes()
+        self._log_sites = LogSites()
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -272,9 +286,23 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.preemption_signals:  # the spawn launcher's main process exits with the ranks' preemption code
-            codes = frozenset(exit_code(sig) for sig in self.preemption_signals)
-            preemption_aware_launcher(self, codes, tuple(int(sig) for sig in self.preemption_signals))
+        # the spawn launcher's main process exits with the ranks' preemption code; in every rank, a backend error
+        # caused by diverged collectives is replaced by the error the ranks agreed on
+        signals = self.preemption_signals or ()
+        codes = frozenset(exit_code(sig) for sig in signals)
+        configure_launcher(self, codes, tuple(int(sig) for sig in signals), self._agreed_error_instead)
+
+    def _agreed_error_instead(self, error: BaseException) -> BaseException | None:
+        """The desync error the ranks agreed on, to raise instead of the backend error it caused; else ``None``."""
+        monitor = self._desync
+        if monitor is None or isinstance(error, DDPStrategyError):
+            return None
+        if monitor.control.desync_error is not None:
+            return monitor.control.desync_error
+        text = str(error)
+        if isinstance(error, RuntimeError) and any(m in text for m in ("gloo", "Connection closed", "NCCL", "c10d")):
+            return monitor.inquire()  # a backend error: ask every rank whether their collectives diverged
+        return None
 
     def _control_plane_or_none(self) -> ControlPlane | None:  # a bound method, so the strategy still pickles
         return self._control
@@ -291,6 +319,10 @@ class SafeDDPStrategy(DDPStrategy):
             self._control = ControlPlane.create(
                 timeout=self.barrier_timeout, heartbeat_interval=self.heartbeat_interval
             )
+            self._desync = None
+            watch = self.desync_detection and self.world_size > 1 and self.heartbeat_interval > 0
+            if watch and collective_status():  # torch's Flight Recorder is on (see setup_distributed)
+                self._desync = DesyncMonitor(self._control, self._call_notes)
             if self.world_size > 1:  # before any DataLoader forks a worker (see fork_safety)
                 groups = (
                     [self._control.group] if self._default_group_pinned else [dist.group.WORLD, self._control.group]
@@ -333,6 +365,8 @@ class SafeDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         # As DDPStrategy.setup_distributed, except that NCCL is initialised lazily (no `device_id`): two ranks on
         # one GPU then reach the device check on the control plane instead of failing inside NCCL's own init.
+        if self.desync_detection:  # before the first process group: torch's recorder reads its size then
+            enable_collective_trace(TRACE_ENTRIES)
         created = init_default_process_group(self, store=_elastic_attempt_store)
         if created and self.process_group_backend != "nccl":  # Lightning registers this for NCCL itself
             # The default group outlives teardown (fit, then validate/test, reuse it, as in stock Lightning) and
@@ -356,6 +390,8 @@ class SafeDDPStrategy(DDPStrategy):
             install_snapshot_gate(trainer, self._wait_for_snapshot)
         self._setup_weight_checks(trainer)
         self._setup_preemption(trainer)
+        if self.desync_detection and self.lightning_module is not None:
+            self._log_sites.install(self.lightning_module)
 
     def _setup_preemption(self, trainer: pl.Trainer) -> None:
         """For ``fit``: take the preemption signals from Lightning's handlers and add the stop at step boundaries."""
@@ -443,7 +479,8 @@ class SafeDDPStrategy(DDPStrategy):
         if self._trainable is not None and self._trainable.changed():  # one attribute read per parameter, no I/O
             self._follow_trainable_set(step)
         if self._control is not None:  # after the test: "training step" at this batch count means "went past it"
-            self._control.note_step(step, batch=self._train_batches)
+            epoch = trainer.current_epoch if trainer is not None else None
+            self._control.note_step(step, batch=self._train_batches, epoch=epoch, epoch_batch=batch_idx + 1)
         if self._resumed is not None:  # resumed mid-epoch: continue the saved RNG stream from this batch on
             self._restore_rng()
         super().on_train_batch_start(batch, batch_idx)
@@ -486,6 +523,9 @@ class SafeDDPStrategy(DDPStrategy):
             super().on_exception(exception)
             return
         self._failed = True
+        if self._control is not None and exception is self._control.desync_error:
+            super().on_exception(exception)  # every rank reached this verdict itself: nothing to publish or diagnose
+            return
         if self._control is not None:
             self._control.note_failure(exception)
             diagnose_failed_peers(self._control, exception)  # logs it, unless a HangWatchdog's on_exception did
@@ -495,11 +535,13 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._log_sites.uninstall()
         self._finish_async_writes()
         if self._control is not None:
             # After a failure other ranks may never reach a closing barrier: only close collectively on success.
             self._control.close(graceful=not self._failed)
             self._control = None
+            self._desync = None
         super().teardown()
 
     # ------------------------------------------------------------------ collectives
@@ -536,13 +578,36 @@ class SafeDDPStrategy(DDPStrategy):
                 self._exact.check_collective("`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)")
             if str(reduce_op).lower() in ("mean", "avg") and not torch.is_floating_point(tensor):
                 tensor = tensor.double()
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if self._desync is None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        logged = logged_metric_of_caller()
+        note = self._call_notes.begin(self._log_sites.describe(*logged) if logged else "strategy.reduce")
+        try:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        finally:
+            self._call_notes.end(note)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self.exact_evaluation_coordinator is not None:
             self._exact.check_collective("`all_gather` (e.g. `self.all_gather`)")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if self._desync is None:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        note = self._call_notes.begin("self.all_gather / strategy.all_gather")
+        try:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        finally:
+            self._call_notes.end(note)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._desync is None:
+            return super().broadcast(obj, src)
+        note = self._call_notes.begin(f"strategy.broadcast(obj, src={src})")
+        try:
+            return super().broadcast(obj, src)
+        finally:
+            self._call_notes.end(note)
 
     # ------------------------------------------------------------------ exact evaluation
     @override

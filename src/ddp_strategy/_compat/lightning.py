@@ -14,9 +14,11 @@ say what they do; a Lightning release that changes one of them is a change here 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -45,6 +47,7 @@ __all__ = [
     "UnrepeatedDistributedSampler",
     "add_callback",
     "collect_rng_states",
+    "configure_launcher",
     "count_checkpointed_batch_as_completed",
     "dataloader_init_args",
     "destroy_default_process_group",
@@ -54,9 +57,9 @@ __all__ = [
     "has_callback",
     "init_default_process_group",
     "last_checkpoint_path",
+    "logged_metric_of_caller",
     "move_data_to_device",
     "pl",
-    "preemption_aware_launcher",
     "rank_zero_info",
     "rank_zero_warn",
     "rebuild_ddp_wrapper",
@@ -124,6 +127,7 @@ DDPStrategy = pl.strategies.DDPStrategy
 StrategyRegistry = pl.strategies.StrategyRegistry
 RunningStage = pl.trainer.states.RunningStage
 _MultiProcessingLauncher = pl.strategies.launchers.multiprocessing._MultiProcessingLauncher
+_SubprocessScriptLauncher = pl.strategies.launchers.subprocess_script._SubprocessScriptLauncher
 TrainerFn = pl.trainer.states.TrainerFn
 CheckpointIO = fabric.plugins.CheckpointIO
 rank_zero_warn = pl.utilities.rank_zero_warn
@@ -473,21 +477,61 @@ def last_checkpoint_path(trainer: Any) -> tuple[str, bool]:
     return os.path.join(str(trainer.default_root_dir), "checkpoints", "last.ckpt"), False
 
 
+def _run_converting(
+    function: Callable[..., Any], convert: Callable[[BaseException], BaseException | None], *args: Any, **kwargs: Any
+) -> Any:
+    """Run the launched function (``Trainer._fit_impl`` and the like); an error it raises may be replaced."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as err:
+        replacement = convert(err)
+        if replacement is None or replacement is err:
+            raise
+        raise replacement from err
+
+
+class _ConvertingScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess-script launcher (also used under torchrun and SLURM); the run's errors may be replaced.
+
+    ``convert`` turns an error the run raised into the one to raise instead (or ``None``), before Lightning's
+    ``on_exception`` hooks see it.
+    """
+
+    def __init__(self, launcher: Any, convert: Callable[[BaseException], BaseException | None]) -> None:
+        self.__dict__.update(launcher.__dict__)
+        self.convert = convert
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        wrapped = functools.partial(_run_converting, function, self.convert)
+        return super().launch(wrapped, *args, trainer=trainer, **kwargs)
+
+
 class _ExitCodeLauncher(_MultiProcessingLauncher):
     """Lightning's spawn launcher; a rank that exits with a preemption code makes the main process exit with it.
 
     While the ranks run, the preemption signals the main process receives are passed on to them (it is no rank
-    and has no checkpoint to write).
+    and has no checkpoint to write). In each rank, an error of the run may be replaced, as in
+    :class:`_ConvertingScriptLauncher`.
     """
 
-    def __init__(self, strategy: Any, start_method: Any, exit_codes: frozenset[int], signals: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        strategy: Any,
+        start_method: Any,
+        exit_codes: frozenset[int],
+        signals: tuple[int, ...],
+        convert: Callable[[BaseException], BaseException | None] | None = None,
+    ) -> None:
         super().__init__(strategy, start_method=start_method)
         self.exit_codes = exit_codes
         self.signals = signals
+        self.convert = convert
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         from torch.multiprocessing.spawn import ProcessExitedException
 
+        if self.convert is not None:
+            function = functools.partial(_run_converting, function, self.convert)
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self._pass_on) for sig in self.signals}
@@ -508,8 +552,36 @@ class _ExitCodeLauncher(_MultiProcessingLauncher):
                     os.kill(process.pid, signum)
 
 
-def preemption_aware_launcher(strategy: Any, exit_codes: frozenset[int], signals: tuple[int, ...]) -> None:
-    """Replace the strategy's spawn launcher (``_MultiProcessingLauncher``) by :class:`_ExitCodeLauncher`."""
+def configure_launcher(
+    strategy: Any,
+    exit_codes: frozenset[int],
+    signals: tuple[int, ...],
+    convert: Callable[[BaseException], BaseException | None],
+) -> None:
+    """Replace the strategy's launcher by one that converts the run's errors (and, for spawn, passes on signals).
+
+    The spawn launcher (``_MultiProcessingLauncher``) becomes :class:`_ExitCodeLauncher`: the main process exits
+    with a rank's preemption code. The subprocess-script launcher becomes :class:`_ConvertingScriptLauncher`.
+    """
     launcher = strategy._launcher
     if type(launcher) is _MultiProcessingLauncher:
-        strategy._launcher = _ExitCodeLauncher(strategy, launcher._start_method, exit_codes, signals)
+        strategy._launcher = _ExitCodeLauncher(strategy, launcher._start_method, exit_codes, signals, convert)
+    elif type(launcher) is _SubprocessScriptLauncher:
+        strategy._launcher = _ConvertingScriptLauncher(launcher, convert)
+
+
+def logged_metric_of_caller(depth: int = 8) -> tuple[str, str] | None:
+    """``(hook, name)`` of the ``self.log`` value Lightning is syncing, when the strategy's caller syncs one.
+
+    Lightning syncs a logged value in ``_ResultMetric`` (``forward`` for ``on_step``, ``compute`` at the epoch's end)
+    through ``strategy.reduce``; its ``meta`` says which ``self.log`` call the value came from.
+    """
+    frame: Any = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner: Any = frame.f_locals.get("self")
+        if type(owner).__name__ == "_ResultMetric":
+            return str(owner.meta.fx), str(owner.meta.name)
+        frame = frame.f_back
+    return None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import pickle
 import threading
 from typing import Any
 
@@ -11,9 +13,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
+    "collective_status",
+    "collective_trace",
     "ddp_comm_hooks",
     "default_store",
     "detach_ddp_reducer",
+    "enable_collective_trace",
     "gloo_worker_threads",
     "new_store_connection",
     "pin_python_thread_states",
@@ -125,3 +130,55 @@ def pin_python_thread_states(group: Any, threads: int, *, rounds: int = 16) -> i
         if fewest >= threads:
             break
     return fewest
+
+
+# torch's Flight Recorder: a ring buffer of every collective of every process group (gloo included since torch 2.8),
+# with its per-group sequence number, op, tensor sizes and the Python stack of the call.
+_TRACE_SIZE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def _dump_trace(**options: bool) -> dict[str, Any]:
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return {}
+    # torch's own pickle of its own records (plain lists, dicts, strings and numbers), never read from a file
+    return dict(pickle.loads(dump(**options)))
+
+
+def enable_collective_trace(entries: int) -> int:
+    """Make torch's Flight Recorder keep the last ``entries`` collectives; call before the first process group.
+
+    The recorder reads its size from the environment when the first process group is created. A size the user set
+    (``TORCH_FR_BUFFER_SIZE``, or NCCL's older ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is kept.
+
+    Returns:
+        The size in effect (``0``: recording is off, or this torch has no Flight Recorder).
+
+    """
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        return 0
+    for name in _TRACE_SIZE_ENV:
+        value = os.environ.get(name)
+        if value:
+            return int(value) if value.strip().isdigit() else 0
+    os.environ[_TRACE_SIZE_ENV[0]] = str(entries)
+    return entries
+
+
+def collective_status() -> dict[str, tuple[int, int]]:
+    """Per process group id: the sequence numbers of its last enqueued and last completed collective (cheap).
+
+    Empty when the Flight Recorder is off.
+    """
+    status = _dump_trace(includeCollectives=False).get("pg_status", {})
+    return {
+        str(pg): (int(s["last_enqueued_collective"]), int(s["last_completed_collective"])) for pg, s in status.items()
+    }
+
+
+def collective_trace() -> list[dict[str, Any]]:
+    """The Flight Recorder's entries, oldest first, each with its Python stack (``frames``, innermost first).
+
+    Costly (milliseconds; the first call in a process about a second, to load symbols): for diagnosis only.
+    """
+    return list(_dump_trace(includeStackTraces=True).get("entries", []))

@@ -31,7 +31,7 @@ from typing_extensions import override
 from .._compat.lightning import Callback, pl, rank_zero_warn
 from ..control import ControlPlane, Store, to_timedelta
 from ..peers import diagnose_failed_peers
-from ..positions import LIBRARY_MARKERS, Position, format_ranks
+from ..positions import Position, format_ranks, is_user_path, short_path
 
 __all__ = ["HANG_EXIT_CODE", "HangWatchdog"]
 
@@ -47,9 +47,6 @@ _DONE_KEY = "hang/done"
 _ACK_KEY = "hang/ack/{rank}"
 _POLL = 0.05  # seconds between store polls while ranks exchange their reports
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _C10D_COLLECTIVES = frozenset(
     {
         "all_gather",
@@ -82,23 +79,12 @@ _CONTROL_WAITS = frozenset({"barrier", "_wait_all", "all_gather_object", "gather
 Frame = tuple[str, int, str]  # (file name, line number, function name)
 
 
-def _short(path: str) -> str:
-    for marker in ("site-packages", "dist-packages"):
-        if marker in path:
-            return path.split(marker + os.sep, 1)[1]
-    cwd = os.getcwd()
-    return os.path.relpath(path, cwd) if path.startswith(cwd) else path
-
-
 def _text(frame: Frame) -> str:
-    return f"{_short(frame[0])}:{frame[1]} in {frame[2]}"
+    return f"{short_path(frame[0])}:{frame[1]} in {frame[2]}"
 
 
 def _is_user(frame: Frame) -> bool:
-    path = frame[0]
-    if path.startswith(_PACKAGE_DIR) or (path.startswith(_STDLIB_DIR) and "-packages" not in path):
-        return False
-    return not any(marker in path for marker in LIBRARY_MARKERS)
+    return is_user_path(frame[0])
 
 
 def _frames(frame: FrameType | None) -> list[Frame]:

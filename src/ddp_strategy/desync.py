@@ -1,0 +1,591 @@
+"""Collective desync detection: ranks that diverge in their collective calls get one named error, within seconds.
+
+DDP is correct only when every rank makes the same collective calls in the same order. torch's Flight Recorder
+(:func:`~ddp_strategy._compat.torch.collective_trace`) numbers every collective of every process group per rank
+and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. The strategy turns it on, and
+:class:`DesyncMonitor`, on each rank's heartbeat thread, uses it in two steps:
+
+1. **Watch, cheaply.** Each beat reads the recorder's per-group counters (tens of microseconds, no stacks) and
+   the training thread's control-plane barrier. A rank whose training thread waits, unchanged, in a collective
+   or a barrier for :data:`STUCK_AFTER` seconds is *stuck*; it publishes that with its position. A stuck rank
+   reads the others' positions: when every rank is stuck, and not all in the same collective, no rank can ever go
+   on. A rank merely slow (rank 0 writing a large checkpoint while the others wait in the next collective) is
+   not stuck, so nothing happens: that stays the hang timeout's business.
+2. **Inquire, once.** The rank opens an *inquiry* in the rendezvous store; every rank publishes a
+   :class:`RankReport` (its last collectives with their op, shapes, dtypes and innermost user frame, what it
+   waits in, its epoch and batch), waits for all reports, and computes the verdict with :func:`find_divergence`
+   from the same reports: every rank reaches the same :class:`~ddp_strategy.errors.CollectiveMismatchError`
+   (or :class:`~ddp_strategy.errors.UnevenInputsError`). The first collective whose calls differ between ranks is
+   named even when the backend paired the calls (gloo pairs calls by order), then where each rank waits now.
+
+A rank whose training thread waits in a control-plane barrier raises the error there. A rank blocked inside a
+backend collective cannot be interrupted from Python; the lowest such rank prints the error and exits
+(``os._exit``), which closes its connections, so that the collectives of the others return with a backend error,
+which the strategy's launcher replaces by the agreed error (see ``SafeDDPStrategy``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._compat.torch import collective_status, collective_trace
+from .control import ControlPlane, Store
+from .errors import CollectiveMismatchError, UnevenInputsError
+from .positions import call_site, format_ranks, is_user_path, short_path
+
+__all__ = [
+    "STUCK_AFTER",
+    "TRACE_ENTRIES",
+    "CallNotes",
+    "CollectiveCall",
+    "DesyncMonitor",
+    "LogSites",
+    "RankReport",
+    "calls_from_trace",
+    "find_divergence",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a rank must wait, unchanged, in one collective or barrier before it counts as stuck.
+STUCK_AFTER = 2.0
+#: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``.
+TRACE_ENTRIES = 2048
+#: Collectives per process group a rank puts in its report (the newest).
+REPORT_CALLS = 256
+_INQUIRY_KEY = "desync/inquiry"
+_REPORT_KEY = "desync/report/{inquiry}/{rank}"
+_REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
+_BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
+_EXIT_CODE = 1
+_DEFAULT_GROUP = "0"
+_GROUP_NAMES = {"0": "the default process group", "1": "the strategy's control group"}
+_FIX = (
+    "Every rank must make the same collective calls in the same order. A collective inside a rank-dependent branch "
+    "is the usual cause: `self.log(..., sync_dist=True)`, `self.all_gather`, `strategy.broadcast`, "
+    "`torch.distributed` calls or a torchmetrics `compute()` under `if self.trainer.is_global_zero:` (or another "
+    "rank test), or a metric logged under a name only some ranks log. Move the call out of the branch; to log from "
+    "one rank only, use `self.log(..., rank_zero_only=True)` without `sync_dist`."
+)
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective call of one rank, as the Flight Recorder saw it.
+
+    Attributes:
+        group: the process group's id (``"0"``: the default group, ``"1"``: the strategy's control group).
+        seq: the call's number on that group (1 for the first); the n-th calls of every rank are paired.
+        op: the operation, e.g. ``"all_reduce"``.
+        shapes: the input tensors' shapes.
+        dtypes: the input tensors' dtypes (torch's names: ``"Float"``, ``"Long"``).
+        site: the innermost frame of user code that led to the call, ``"model.py:34 in on_train_epoch_end"``.
+        what: what made the call, where known: ``"self.log('x', sync_dist=True)"``, ``"DDP's gradient
+            all-reduce (backward)"``, a Lightning or torchmetrics function.
+        done: whether it completed on this rank.
+        created: when the rank entered it (``time.time()``).
+
+    """
+
+    group: str
+    seq: int
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    site: str = ""
+    what: str = ""
+    done: bool = True
+    created: float = 0.0
+
+    def key(self) -> tuple[Any, ...]:
+        """What must be equal on every rank for the calls to be the same collective."""
+        return (self.op, self.shapes, self.dtypes, self.site, self.what)
+
+    def describe(self) -> str:
+        """``all_reduce of Float[] from self.log('x', sync_dist=True) at model.py:34 in on_train_epoch_end``."""
+        tensors = ", ".join(f"{d}{list(s)}" for d, s in zip(self.dtypes, self.shapes, strict=False)) or "no tensor"
+        text = f"{self.op} of {tensors}"
+        if self.what:
+            text += f" from {self.what}"
+        if self.site:
+            text += f" at {self.site}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CollectiveCall:
+        """Inverse of :meth:`to_dict`."""
+        values = dict(data)
+        values["shapes"] = tuple(tuple(int(n) for n in shape) for shape in values["shapes"])
+        values["dtypes"] = tuple(values["dtypes"])
+        return cls(**values)
+
+
+class CallNotes:
+    """What made recent collectives, noted by the strategy around its own collectives (``self.log`` syncs).
+
+    The strategy calls :meth:`begin` before a collective it runs and :meth:`end` after it; a Flight Recorder entry
+    created in between (``time.time_ns()``) gets the note's text as its :attr:`CollectiveCall.what`. A collective
+    that never returns keeps an open note. Bounded; no I/O.
+    """
+
+    def __init__(self, size: int = 512) -> None:
+        self._notes: deque[list[Any]] = deque(maxlen=size)
+
+    def begin(self, text: str) -> list[Any]:
+        """Open a note for the collectives that follow; pass the result to :meth:`end`."""
+        note = [time.time_ns(), None, text]
+        self._notes.append(note)
+        return note
+
+    @staticmethod
+    def end(note: list[Any]) -> None:
+        """Close ``note``: later collectives are not part of it."""
+        note[1] = time.time_ns()
+
+    def lookup(self, created_ns: int) -> str:
+        """The text of the note whose interval holds ``created_ns``, else ``""``."""
+        for start, end, text in reversed(list(self._notes)):
+            if start <= created_ns and (end is None or created_ns <= end):
+                return str(text)
+            if end is not None and end < created_ns:
+                break
+        return ""
+
+
+class LogSites:
+    """Where the module called ``self.log(..., sync_dist=True)``, per hook and name, for the collectives they make.
+
+    Lightning syncs a value logged in an epoch-end hook later, from its own code, so the user's line is no longer
+    on the stack when the collective runs. :meth:`install` wraps the module's ``log`` (an instance attribute,
+    removed by :meth:`uninstall`) to record the line the first time each ``(hook, name)`` is logged with
+    ``sync_dist=True``.
+    """
+
+    def __init__(self) -> None:
+        self.sites: dict[tuple[str, str], str] = {}
+        self._module: Any = None
+
+    def install(self, module: Any) -> None:
+        """Start recording the ``self.log(..., sync_dist=True)`` lines of ``module``."""
+        self.uninstall()
+        original = module.log
+        sites = self.sites
+
+        def log_recording_site(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("sync_dist"):
+                key = (str(getattr(module, "_current_fx_name", None) or ""), name)
+                if key not in sites:
+                    sites[key] = call_site(skip=2)
+            return original(name, value, *args, **kwargs)
+
+        module.log = log_recording_site
+        self._module = module
+
+    def uninstall(self) -> None:
+        """Give the module its own ``log`` back."""
+        if self._module is not None:
+            self._module.__dict__.pop("log", None)
+            self._module = None
+
+    def describe(self, fx: str, name: str) -> str:
+        """``self.log('x', sync_dist=True) in on_train_epoch_end at model.py:34 in on_train_epoch_end``."""
+        text = f"self.log({name!r}, sync_dist=True) in {fx}"
+        site = self.sites.get((fx, name))
+        return f"{text} (called at {site})" if site else text
+
+
+def _frame_text(frame: Mapping[str, Any]) -> str:
+    return f"{short_path(str(frame.get('filename', '')))}:{frame.get('line', 0)} in {frame.get('name', '?')}"
+
+
+def _what(frames: Sequence[Mapping[str, Any]]) -> str:
+    """What made a call, from its stack (innermost first), for the calls the strategy did not note."""
+    names = [(str(f.get("filename", "")).replace(os.sep, "/"), str(f.get("name", ""))) for f in frames]
+    for path, name in names:
+        if name == "_engine_run_backward" or path.endswith("torch/autograd/graph.py"):
+            return "DDP's gradient all-reduce (backward)"
+        if name in ("_sync_buffers", "_sync_module_buffers") and path.endswith("torch/nn/parallel/distributed.py"):
+            return "DDP's buffer broadcast (forward)"
+        if name in ("_verify_param_shape_across_processes", "_sync_module_states"):
+            return "DDP's wrapper construction"
+        if path.endswith("ddp_strategy/object_collectives.py"):
+            return "ddp_strategy's control plane"
+    for path, name in names:
+        if "/torchmetrics/" in path:
+            return f"torchmetrics {name}"
+        if "/lightning/" in path or "/pytorch_lightning/" in path or "/lightning_fabric/" in path:
+            return f"Lightning's {name} ({short_path(path)})"
+    return ""
+
+
+def calls_from_trace(entries: Sequence[Mapping[str, Any]], notes: CallNotes | None = None) -> list[CollectiveCall]:
+    """The Flight Recorder's entries (:func:`~ddp_strategy._compat.torch.collective_trace`) as calls, oldest first."""
+    calls = []
+    for entry in entries:
+        if entry.get("is_p2p"):
+            continue
+        frames = list(entry.get("frames") or [])
+        site = next((_frame_text(f) for f in frames if is_user_path(str(f.get("filename", "")))), "")
+        created_ns = int(entry.get("time_created_ns") or 0)
+        what = notes.lookup(created_ns) if notes is not None else ""
+        op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
+        calls.append(
+            CollectiveCall(
+                group=str(entry.get("pg_id", "?")),
+                seq=int(entry.get("collective_seq_id", 0)),
+                op=op,
+                shapes=tuple(tuple(int(n) for n in shape) for shape in entry.get("input_sizes") or ()),
+                dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
+                site=site,
+                what=what or _what(frames),
+                done=bool(entry.get("retired")),
+                created=created_ns / 1e9,
+            )
+        )
+    return calls
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank publishes for an inquiry.
+
+    Attributes:
+        rank: the rank.
+        calls: its newest collective calls, per group at most :data:`REPORT_CALLS`, oldest first.
+        waiting: what its training thread waits in (see :attr:`~ddp_strategy.positions.Position.waiting`).
+        waiting_since: since when.
+        status: per group id, the numbers of its last enqueued and last completed collective.
+        epoch: the training epoch of its last training batch (``None`` outside training).
+        epoch_batch: the batches of that epoch it started.
+        barrier_site: the call site of the barrier it waits in, if any.
+
+    """
+
+    rank: int
+    calls: tuple[CollectiveCall, ...]
+    waiting: str
+    waiting_since: float
+    status: dict[str, tuple[int, int]] = field(default_factory=dict)
+    epoch: int | None = None
+    epoch_batch: int | None = None
+    barrier_site: str = ""
+
+    def to_json(self) -> str:
+        """Serialise for the rendezvous store."""
+        data = asdict(self)
+        data["calls"] = [c.to_dict() for c in self.calls]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankReport:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        data["calls"] = tuple(CollectiveCall.from_dict(c) for c in data["calls"])
+        data["status"] = {g: (int(v[0]), int(v[1])) for g, v in data["status"].items()}
+        return cls(**data)
+
+    def pending(self) -> CollectiveCall | None:
+        """The collective it waits in, when that is one (not a barrier)."""
+        if not self.waiting.startswith("collective "):
+            return None
+        group, _, seq = self.waiting.split(" ", 1)[1].partition("#")
+        return next((c for c in self.calls if c.group == group and c.seq == int(seq)), None)
+
+    def describe_wait(self) -> str:
+        """Where it waits, in words."""
+        call = self.pending()
+        if call is not None:
+            return f"waits in collective #{call.seq} of {_group_name(call.group)}: {call.describe()}"
+        if self.waiting.startswith("collective "):
+            group, _, seq = self.waiting.split(" ", 1)[1].partition("#")
+            return f"waits in collective #{seq} of {_group_name(group)}"
+        if self.waiting.startswith("barrier "):
+            name = self.waiting.split(" ", 2)[2]
+            return f"waits in the strategy's barrier {name}" + (f" at {self.barrier_site}" if self.barrier_site else "")
+        return "runs (it waits in no collective)"
+
+    def waits_in_backward(self) -> bool:
+        """Whether it waits in DDP's gradient all-reduce."""
+        call = self.pending()
+        return call is not None and call.what.startswith("DDP's gradient")
+
+    def describe_now(self) -> str:
+        """Where it waits, and its training progress."""
+        progress = self.describe_progress()
+        return self.describe_wait() + (f" ({progress})" if progress else "")
+
+    def describe_progress(self) -> str:
+        """``epoch 0, after 6 batches`` (empty outside training)."""
+        if self.epoch is None:
+            return ""
+        return f"epoch {self.epoch}, {self.epoch_batch} batch(es) started"
+
+
+def _group_name(group: str) -> str:
+    return _GROUP_NAMES.get(group, f"process group {group}")
+
+
+def _grouped(lines: Mapping[int, str]) -> list[str]:
+    """``rank 0-2: <text>`` lines, ranks with the same text together, in order of their lowest rank."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(lines.items()):
+        by_text.setdefault(text, []).append(rank)
+    return [f"  rank {format_ranks(ranks)}: {text}" for text, ranks in by_text.items()]
+
+
+def _first_mismatch(reports: Mapping[int, RankReport]) -> tuple[str, int, dict[int, CollectiveCall]] | None:
+    """The earliest collective (by the time its first caller entered it) whose calls differ between ranks."""
+    found: list[tuple[float, str, int, dict[int, CollectiveCall]]] = []
+    groups = sorted({c.group for report in reports.values() for c in report.calls})
+    for group in groups:
+        by_seq: dict[int, dict[int, CollectiveCall]] = {}
+        for rank, report in reports.items():
+            for call in report.calls:
+                if call.group == group:
+                    by_seq.setdefault(call.seq, {})[rank] = call
+        for seq in sorted(by_seq):
+            calls = by_seq[seq]
+            if len(calls) > 1 and len({c.key() for c in calls.values()}) > 1:
+                found.append((min(c.created for c in calls.values()), group, seq, calls))
+                break
+    if not found:
+        return None
+    _, group, seq, calls = min(found, key=lambda item: (item[0], item[1]))
+    return group, seq, calls
+
+
+def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchError | None:
+    """The error every rank raises for these reports, or ``None`` when they show no divergence.
+
+    Deterministic: every rank computes it from the same reports and gets the same error. A divergence is
+
+    * two ranks whose n-th collective on one process group differs (op, shapes, dtypes, user call site, or what
+      made it): the first such collective is named, with each rank's call; or
+    * every rank waiting, not all in the same collective: each rank waits for one another never enters.
+
+    When a rank waits in DDP's gradient all-reduce while another has started fewer batches of the epoch (or is
+    in another epoch, or waits in no training step), the error is an :class:`~ddp_strategy.errors.UnevenInputsError`.
+    """
+    if not reports:
+        return None
+    mismatch = _first_mismatch(reports)
+    waits = {rank: report.waiting for rank, report in reports.items()}
+    stuck = all(waits.values()) and len(set(waits.values())) > 1
+    if mismatch is None and not stuck:
+        return None
+    lines: list[str] = []
+    name = "collective"
+    if mismatch is not None:
+        group, seq, calls = mismatch
+        first = next(iter(calls.values()))
+        name = f"collective #{seq} ({first.op})"
+        lines.append(
+            f"Ranks made different collective calls: call #{seq} of {_group_name(group)} is the first that differs "
+            "(each rank's n-th call on a group is paired with every other rank's n-th call, whatever it is):"
+        )
+        lines.extend(_grouped({rank: call.describe() for rank, call in calls.items()}))
+        absent = sorted(set(reports) - set(calls))
+        if absent:
+            lines.append(f"  rank {format_ranks(absent)}: had not reached call #{seq} of that group")
+    else:
+        lines.append("Every rank waits, but not in the same collective, so none of them can ever go on:")
+    lines.append("Where each rank is now:")
+    lines.extend(_grouped({rank: report.describe_now() for rank, report in reports.items()}))
+    uneven = _uneven(reports)
+    if uneven is not None:
+        lines.append(uneven[0])
+        return UnevenInputsError("\n".join(lines), batches=uneven[1])
+    lines.append(_FIX)
+    waiting_ranks = [r for r, report in reports.items() if report.pending() is not None]
+    return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=waiting_ranks, reason="desync")
+
+
+def _uneven(reports: Mapping[int, RankReport]) -> tuple[str, list[float]] | None:
+    """Uneven training inputs: a rank waits in DDP's gradient all-reduce that the others have no batch for."""
+    in_backward = [r for r, report in reports.items() if report.waits_in_backward()]
+    progress = {r: (report.epoch, report.epoch_batch) for r, report in reports.items()}
+    if not in_backward or all(progress[r] == progress[in_backward[0]] for r in reports):
+        return None  # every rank is at the same batch: not a matter of data
+    reached = {r: float(report.epoch_batch or 0) for r, report in reports.items()}
+    text = (
+        "Uneven inputs: the ranks have different numbers of training batches in this epoch, so DDP's gradient "
+        "all-reduce of rank(s) "
+        f"{format_ranks(in_backward)} waits for ranks that ran out of data. Batches started per rank: "
+        + ", ".join(f"rank {r}: {int(n)}" for r, n in sorted(reached.items()))
+        + ". Give every rank the same number of batches: keep Lightning's DistributedSampler "
+        "(`use_distributed_sampler=True`), or for an IterableDataset shard it into equal lengths per rank (drop the "
+        "remainder); `SafeDDPStrategy(uneven_inputs='raise')` compares the counts before the first step when the "
+        "loaders have a length."
+    )
+    return text, [reached[r] for r in sorted(reached)]
+
+
+class DesyncMonitor:
+    """Watches one rank's collectives on its heartbeat thread and takes part in inquiries; see the module docs.
+
+    Args:
+        control: this rank's control plane (its heartbeat thread runs :meth:`beat`).
+        notes: what made the strategy's own collectives.
+        stuck_after: seconds of an unchanged wait before this rank counts as stuck.
+
+    """
+
+    def __init__(self, control: ControlPlane, notes: CallNotes, *, stuck_after: float = STUCK_AFTER) -> None:
+        self.control = control
+        self.notes = notes
+        self.stuck_after = stuck_after
+        self._wait: tuple[str, float] = ("", 0.0)
+        self._answered = 0  # the last inquiry this rank answered
+        self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
+        self._verdict_at: float | None = None
+        self._lock = threading.Lock()
+        control.add_beat(self.beat)
+
+    # ------------------------------------------------------------------ watching
+    def _current_wait(self) -> tuple[str, float]:
+        now = time.time()
+        barrier = self.control.in_barrier
+        if barrier is not None:
+            return barrier
+        pending = [(group, enq) for group, (enq, done) in sorted(collective_status().items()) if enq > done]
+        what = f"collective {pending[0][0]}#{pending[0][1]}" if pending else ""
+        if what and what == self._wait[0]:
+            return self._wait
+        return (what, now) if what else ("", 0.0)
+
+    def beat(self, store: Store) -> None:
+        """One heartbeat: update this rank's wait, answer an inquiry, open one when every rank is stuck."""
+        control = self.control
+        self._wait = self._current_wait()
+        what, since = self._wait
+        stuck = bool(what) and time.time() - since >= self.stuck_after
+        control.set_waiting(what if stuck else "", since if stuck else 0.0)
+        control.fast_beat = bool(what) and time.time() - since >= self.stuck_after / 2  # answer inquiries quickly
+        if control.desync_error is not None:
+            self._break_if_blocked()
+            return
+        inquiry = int(store.add(_INQUIRY_KEY, 0))
+        if inquiry > self._answered:
+            self._answer(store, inquiry)
+            return
+        if stuck and what not in self._inquired and self._all_stuck(store):
+            self._inquired.add(what)
+            self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+
+    def _all_stuck(self, store: Store) -> bool:
+        positions = self.control.read_positions(store)
+        now = time.time()
+        stale = max(3.0, 4 * self.control.heartbeat_interval)
+        for rank, position in positions.items():
+            if rank == self.control.rank:
+                continue
+            if position is None or position.kind == "failed" or now - position.heartbeat > stale:
+                return False  # a dead or failed rank is the failure diagnosis's business
+            if not position.waiting:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ inquiring
+    def report(self) -> RankReport:
+        """This rank's report: its newest calls (with stacks: costly), its wait, its progress."""
+        calls = calls_from_trace(collective_trace(), self.notes)
+        newest: list[CollectiveCall] = []
+        for group in sorted({c.group for c in calls}):
+            newest.extend([c for c in calls if c.group == group][-REPORT_CALLS:])
+        what, since = self._current_wait()
+        epoch, epoch_batch = self.control.progress
+        barrier_site = self.control.position.site if what.startswith("barrier ") else ""
+        return RankReport(
+            rank=self.control.rank,
+            calls=tuple(newest),
+            waiting=what,
+            waiting_since=since,
+            status=collective_status(),
+            epoch=epoch,
+            epoch_batch=epoch_batch,
+            barrier_site=barrier_site,
+        )
+
+    def _answer(self, store: Store, inquiry: int) -> CollectiveMismatchError | None:
+        """Publish this rank's report and compute the verdict once every rank reported, for the newest inquiry.
+
+        Two ranks may open inquiries at once; every rank follows the newest one (it reports again), so all end up
+        computing the verdict from the same reports.
+        """
+        with self._lock:
+            if inquiry <= self._answered:
+                return self.control.desync_error
+            world, rank = self.control.world_size, self.control.rank
+            mine = self.report().to_json()
+            deadline = time.monotonic() + _REPORT_WAIT
+            while True:
+                inquiry = max(inquiry, int(store.add(_INQUIRY_KEY, 0)))
+                if inquiry > self._answered:
+                    store.set(_REPORT_KEY.format(inquiry=inquiry, rank=rank), mine)
+                    self._answered = inquiry
+                keys = [_REPORT_KEY.format(inquiry=inquiry, rank=r) for r in range(world)]
+                if store.check(keys):
+                    break
+                if time.monotonic() > deadline:
+                    log.info("ddp_strategy: rank %d: desync inquiry %d incomplete", rank, inquiry)
+                    return None
+                self.control.publish_heartbeat(store)  # this wait must not look like a dead rank
+                time.sleep(0.05)
+            reports = {r: RankReport.from_json(store.get(keys[r])) for r in range(world)}
+            error = find_divergence(reports)
+            if error is not None and self.control.desync_error is None:
+                self.control.desync_error = error
+                self._verdict_at = time.monotonic()
+            return error
+
+    def inquire(self) -> CollectiveMismatchError | None:
+        """Open an inquiry from the training thread (after a backend error) and return the verdict, if any."""
+        if self.control.desync_error is not None:
+            return self.control.desync_error
+        store = self.control.store  # the training thread's own connection: a new one would retry a gone host
+        try:
+            return self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+        except Exception as err:  # the store is gone (rank 0 exited): nothing to agree on
+            log.debug("ddp_strategy: rank %d could not open a desync inquiry: %s", self.control.rank, err)
+            return self.control.desync_error
+
+    # ------------------------------------------------------------------ acting
+    def _break_if_blocked(self) -> None:
+        """After the verdict: a rank still blocked in a backend collective prints the error and exits.
+
+        Rank 0 goes first, one second after the verdict, the others half a second apart after it: its exit closes
+        its connections, so the others' collectives return with an error, and they raise the agreed error instead
+        (through the strategy's launcher). Rank 0 first, because under Lightning's subprocess launcher it is the
+        parent of the node's other ranks, and kills itself at once when one of them exits with an error.
+        """
+        error = self.control.desync_error
+        if error is None or self._verdict_at is None:
+            return
+        what, _ = self._current_wait()
+        if not what.startswith("collective "):
+            return
+        delay = _BREAK_AFTER + 0.5 * self.control.rank
+        if time.monotonic() - self._verdict_at < delay:
+            return
+        sys.stderr.write(
+            f"[rank{self.control.rank}]: ddp_strategy.errors.{type(error).__name__}: {error}\n"
+            f"[rank{self.control.rank}]: this rank's training thread is blocked inside that collective, which no "
+            f"Python error can interrupt; the process exits with code {_EXIT_CODE} so that the other ranks' "
+            "collectives return.\n"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(_EXIT_CODE)

@@ -1,0 +1,125 @@
+"""A user's LightningModule with one rank-dependent collective (or uneven data), as the DDP hang threads write it.
+
+Usage: python desync.py CASE --strategy safe_ddp|ddp
+
+Cases (each the user's own mistake, at a line the tests look for in the error):
+  log-in-rank-zero-branch   ``self.log("x", ..., sync_dist=True)`` inside ``if self.trainer.is_global_zero:`` in
+                            ``on_train_epoch_end`` (Lightning #19604)
+  broadcast-on-rank-zero    ``self.trainer.strategy.broadcast(obj)`` on rank 0 only, in ``training_step``
+  all-gather-on-rank-zero   ``self.all_gather(tensor)`` on rank 0 only, in ``training_step``
+  uneven-iterable           no DistributedSampler; an IterableDataset of 8 batches on rank 0 and 6 on rank 1
+  slow-rank-zero            correct: rank 0 spends 8 s alone in ``on_train_epoch_end`` (a large checkpoint write)
+                            while rank 1 waits in the next collective
+
+Every rank prints ``rank=R diverged-at=T`` when it takes the rank-dependent branch (or runs out of data),
+``rank=R step=S`` after each training step, ``rank=R fit-done`` when ``fit`` returns and ``rank=R exits-at=T`` at
+the end (not after an ``os._exit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from typing import Any
+
+import torch
+from lightning_namespace import SafeDDPStrategy, pl
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+CASE = ""
+
+
+def say(text: str) -> None:
+    sys.stdout.write(text + "\n")  # one write: lines of two ranks do not run together
+    sys.stdout.flush()
+
+
+def diverged(rank: int) -> None:
+    say(f"rank={rank} diverged-at={time.time():.3f}")
+
+
+class Shard(IterableDataset):
+    """Rank 0 yields 32 samples, rank 1 24: 8 and 6 batches of 4, a count no rank knows in advance."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(self.rank)
+        count = 32 if self.rank == 0 else 24
+        for i in range(count):
+            if i == count - 1 and self.rank == 1:
+                diverged(self.rank)
+            yield torch.randn(8, generator=g), torch.randn((), generator=g)
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        if CASE == "broadcast-on-rank-zero" and batch_idx == 2 and self.trainer.is_global_zero:
+            diverged(self.global_rank)
+            self.trainer.strategy.broadcast({"lr": 0.1})  # USER-LINE broadcast-on-rank-zero
+        if CASE == "all-gather-on-rank-zero" and batch_idx == 2 and self.trainer.is_global_zero:
+            diverged(self.global_rank)
+            self.all_gather(loss.detach())  # USER-LINE all-gather-on-rank-zero
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        say(f"rank={self.global_rank} step={batch_idx + 1}")
+
+    def on_train_epoch_end(self) -> None:
+        if CASE == "log-in-rank-zero-branch" and self.trainer.is_global_zero:
+            diverged(self.global_rank)
+            self.log("x", torch.tensor(1.0), sync_dist=True)  # USER-LINE log-in-rank-zero-branch
+        if CASE == "slow-rank-zero" and self.trainer.is_global_zero and self.current_epoch == 0:
+            time.sleep(8.0)
+
+    def train_dataloader(self) -> DataLoader:
+        if CASE == "uneven-iterable":
+            return DataLoader(Shard(self.global_rank), batch_size=4)
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
+        return DataLoader(data, batch_size=4)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main() -> None:
+    global CASE
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case")
+    parser.add_argument("--strategy", default="safe_ddp")
+    args = parser.parse_args()
+    CASE = args.case
+    pl.seed_everything(0)
+    strategy: Any = SafeDDPStrategy() if args.strategy == "safe_ddp" else "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        use_distributed_sampler=CASE != "uneven-iterable",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Model())
+    say(f"rank={trainer.global_rank} fit-done")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        say(f"rank={int(__import__('os').environ.get('LOCAL_RANK', 0))} exits-at={time.time():.3f}")
+        gc.freeze()  # test speed only: skip the final garbage collection over torch's heap

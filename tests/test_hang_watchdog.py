@@ -199,7 +199,8 @@ def test_rank_sleeping_forever_in_training_step(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_barrier_called_by_rank0_only_is_summarised_before_the_barrier_timeout(tmp_path):
-    run, dumps = run_hang("barrier_rank0_only", tmp_path, "--barrier-timeout", "60")
+    # the watchdog on its own: the desync detection (on by default) would name this divergence first
+    run, dumps = run_hang("barrier_rank0_only", tmp_path, "--barrier-timeout", "60", "--no-desync")
     assert run.returncode == hw.HANG_EXIT_CODE, run.describe()
     summary = summary_of(run)
     assert "rank 0: waiting in barrier 'only_rank0' at tests/scripts/scenario.py" in summary, run.describe()

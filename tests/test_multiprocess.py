@@ -77,10 +77,24 @@ def assert_rank1_names_rank0s_barrier(run) -> None:
     assert sum("[c10d]" in x for x in run.output.splitlines()) <= 2, run.describe()
 
 
+def assert_both_ranks_name_the_barrier(run, barrier: str, inside: int, missing: int) -> None:
+    """The desync error on both ranks: the barrier, its call site, the rank that never arrived and where it is."""
+    source = (SCRIPTS / "scenario.py").read_text().splitlines()
+    lineno = next(i for i, x in enumerate(source, 1) if f'barrier("{barrier}")' in x)
+    head = (
+        f"CollectiveMismatchError: Rank(s) {inside} wait at barrier '{barrier}' "
+        f"(tests/scripts/scenario.py:{lineno} in training_step), but rank(s) {missing} never arrived"
+    )
+    assert run.output.count(head) >= 2, run.describe()  # each rank printed it
+    assert f"rank {missing}: waits in collective #" in run.output, run.describe()
+    assert "DDP's gradient all-reduce (backward)" in run.output, run.describe()
+    assert sum("[c10d]" in x for x in run.output.splitlines()) <= 2, run.describe()
+
+
 def test_torchrun_rank0_only_barrier_fails_whole_job(tmp_path):
-    run = torchrun(tmp_path, "barrier_rank0_only", "--barrier-timeout", "5")
+    run = torchrun(tmp_path, "barrier_rank0_only")  # barrier_timeout 60 s: named by the desync detection first
     assert_clean_failure(run, "CollectiveMismatchError", "rank(s) 1 never arrived")
-    assert_rank1_names_rank0s_barrier(run)
+    assert_both_ranks_name_the_barrier(run, "only_rank0", inside=0, missing=1)
 
 
 def test_two_fits_and_validate_in_one_process(tmp_path):
@@ -94,9 +108,21 @@ def test_two_fits_and_validate_in_one_process(tmp_path):
 
 
 @pytest.mark.compat
-def test_barrier_reached_only_by_rank0_raises_naming_rank1(tmp_path):
+def test_barrier_reached_only_by_rank0_is_named_within_seconds_whatever_the_barrier_timeout(tmp_path):
+    run = run_scenario("barrier_rank0_only", tmp_path, "--barrier-timeout", "600", timeout=90)
+    assert_clean_failure(run, "CollectiveMismatchError", "barrier 'only_rank0'", "rank(s) 1 never arrived")
+    assert_both_ranks_name_the_barrier(run, "only_rank0", inside=0, missing=1)
+    assert "training step 2, epoch 0" in run.output, run.describe()  # where rank 1 was
+    # whole job: start-up (a few seconds) + the desync detection (seconds) + teardown; stock Lightning never returns
+    assert run.seconds < 40, run.describe()
+
+
+@pytest.mark.compat
+def test_barrier_reached_only_by_rank0_raises_naming_rank1_after_the_timeout_without_desync_detection(tmp_path):
     timeout = 5
-    run = run_scenario("barrier_rank0_only", tmp_path, "--barrier-timeout", str(timeout), timeout=90)
+    run = run_scenario(
+        "barrier_rank0_only", tmp_path, "--barrier-timeout", str(timeout), "--no-desync", timeout=90
+    )  # fmt: skip
     assert_clean_failure(
         run,
         "CollectiveMismatchError",
@@ -111,8 +137,9 @@ def test_barrier_reached_only_by_rank0_raises_naming_rank1(tmp_path):
 
 
 def test_barrier_reached_only_by_rank1_raises_naming_rank0(tmp_path):
-    run = run_scenario("barrier_rank1_only", tmp_path, "--barrier-timeout", "5", timeout=90)
+    run = run_scenario("barrier_rank1_only", tmp_path, "--barrier-timeout", "600", timeout=90)
     assert_clean_failure(run, "CollectiveMismatchError", "barrier 'only_rank1'", "rank(s) 0 never arrived")
+    assert_both_ranks_name_the_barrier(run, "only_rank1", inside=1, missing=0)
 
 
 def test_barriers_with_different_names_raise_on_every_rank(tmp_path):

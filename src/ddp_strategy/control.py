@@ -277,6 +277,7 @@ class ControlPlane:
         self._peer_failure: tuple[int, Position] | None = None
         #: the barrier the training thread waits in right now, and since when (set and cleared by the wait itself)
         self._in_barrier: tuple[str, float] | None = None
+        self._step: int | None = None  # the optimizer step of the last training batch this rank started
         self._progress: tuple[int | None, int | None] = (None, None)  # (epoch, batches started in it)
         self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
         self._beat_hooks: list[Callable[[Store], None]] = []
@@ -394,6 +395,7 @@ class ControlPlane:
 
         """
         self._position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time(), batch=batch)
+        self._step = step
         if epoch is not None:
             self._progress = (epoch, epoch_batch)
 
@@ -401,6 +403,11 @@ class ControlPlane:
     def progress(self) -> tuple[int | None, int | None]:
         """``(epoch, batches started in it)`` of the last training batch this rank started (``None`` before)."""
         return self._progress
+
+    @property
+    def step(self) -> int | None:
+        """The optimizer step (``trainer.global_step``) of the last training batch this rank started."""
+        return self._step
 
     @property
     def in_barrier(self) -> tuple[str, float] | None:

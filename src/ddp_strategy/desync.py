@@ -71,7 +71,7 @@ _DEFAULT_GROUP = "0"
 _GROUP_NAMES = {"0": "the default process group", "1": "the strategy's control group"}
 _FIX = (
     "Every rank must make the same collective calls in the same order. A collective inside a rank-dependent branch "
-    "is the usual cause: `self.log(..., sync_dist=True)`, `self.all_gather`, `strategy.broadcast`, "
+    "is the usual cause: `self.log(..., sync_dist=True)`, `self.all_gather`, `strategy.broadcast`, `strategy.barrier`, "
     "`torch.distributed` calls or a torchmetrics `compute()` under `if self.trainer.is_global_zero:` (or another "
     "rank test), or a metric logged under a name only some ranks log. Move the call out of the branch; to log from "
     "one rank only, use `self.log(..., rank_zero_only=True)` without `sync_dist`."
@@ -271,6 +271,7 @@ class RankReport:
         epoch: the training epoch of its last training batch (``None`` outside training).
         epoch_batch: the batches of that epoch it started.
         barrier_site: the call site of the barrier it waits in, if any.
+        step: the optimizer step of its last training batch (``None`` outside training).
 
     """
 
@@ -282,6 +283,7 @@ class RankReport:
     epoch: int | None = None
     epoch_batch: int | None = None
     barrier_site: str = ""
+    step: int | None = None
 
     def to_json(self) -> str:
         """Serialise for the rendezvous store."""
@@ -328,10 +330,16 @@ class RankReport:
         return self.describe_wait() + (f" ({progress})" if progress else "")
 
     def describe_progress(self) -> str:
-        """``epoch 0, after 6 batches`` (empty outside training)."""
+        """``training step 5, epoch 0, 6 batch(es) started`` (empty outside training)."""
         if self.epoch is None:
             return ""
-        return f"epoch {self.epoch}, {self.epoch_batch} batch(es) started"
+        return f"training step {self.step}, epoch {self.epoch}, {self.epoch_batch} batch(es) started"
+
+    def barrier_name(self) -> str:
+        """The name of the strategy's barrier it waits in (``""``: none)."""
+        if not self.waiting.startswith("barrier "):
+            return ""
+        return self.waiting.split(" ", 2)[2].strip("'")
 
 
 def _group_name(group: str) -> str:
@@ -388,6 +396,8 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
         return None
     lines: list[str] = []
     name = "collective"
+    missing: list[int] = [r for r, report in reports.items() if report.pending() is not None]
+    barriers = {r: report.barrier_name() for r, report in reports.items() if report.barrier_name()}
     if mismatch is not None:
         group, seq, calls = mismatch
         first = next(iter(calls.values()))
@@ -400,6 +410,18 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
         absent = sorted(set(reports) - set(calls))
         if absent:
             lines.append(f"  rank {format_ranks(absent)}: had not reached call #{seq} of that group")
+    elif barriers:
+        first_rank = min(barriers)
+        name = barriers[first_rank]
+        inside = sorted(r for r, b in barriers.items() if b == name)
+        missing = sorted(set(reports) - set(inside))
+        site = reports[first_rank].barrier_site
+        lines.append(
+            f"Rank(s) {format_ranks(inside)} wait at barrier '{name}'"
+            + (f" ({site})" if site else "")
+            + f", but rank(s) {format_ranks(missing)} never arrived: they wait elsewhere (below), so no rank can "
+            "ever go on."
+        )
     else:
         lines.append("Every rank waits, but not in the same collective, so none of them can ever go on:")
     lines.append("Where each rank is now:")
@@ -409,8 +431,7 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
         lines.append(uneven[0])
         return UnevenInputsError("\n".join(lines), batches=uneven[1])
     lines.append(_FIX)
-    waiting_ranks = [r for r, report in reports.items() if report.pending() is not None]
-    return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=waiting_ranks, reason="desync")
+    return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing, reason="desync")
 
 
 def _uneven(reports: Mapping[int, RankReport]) -> tuple[str, list[float]] | None:
@@ -507,6 +528,7 @@ class DesyncMonitor:
             newest.extend([c for c in calls if c.group == group][-REPORT_CALLS:])
         what, since = self._current_wait()
         epoch, epoch_batch = self.control.progress
+        step = self.control.step
         barrier_site = self.control.position.site if what.startswith("barrier ") else ""
         return RankReport(
             rank=self.control.rank,
@@ -517,6 +539,7 @@ class DesyncMonitor:
             epoch=epoch,
             epoch_batch=epoch_batch,
             barrier_site=barrier_site,
+            step=step,
         )
 
     def _answer(self, store: Store, inquiry: int) -> CollectiveMismatchError | None:
@@ -539,7 +562,7 @@ class DesyncMonitor:
                 keys = [_REPORT_KEY.format(inquiry=inquiry, rank=r) for r in range(world)]
                 if store.check(keys):
                     break
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._a_silent_rank_is_missing(store, keys):
                     log.info("ddp_strategy: rank %d: desync inquiry %d incomplete", rank, inquiry)
                     return None
                 self.control.publish_heartbeat(store)  # this wait must not look like a dead rank
@@ -550,6 +573,18 @@ class DesyncMonitor:
                 self.control.desync_error = error
                 self._verdict_at = time.monotonic()
             return error
+
+    def _a_silent_rank_is_missing(self, store: Store, keys: list[str]) -> bool:
+        """Whether a rank that has not reported failed or stopped its heartbeat: it never will report."""
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return False
+        positions = self.control.read_positions(store)
+        now = time.time()
+        stale = max(2.0, 4 * self.control.heartbeat_interval)
+        return any(
+            (p := positions.get(rank)) is None or p.kind == "failed" or now - p.heartbeat > stale for rank in missing
+        )
 
     def inquire(self) -> CollectiveMismatchError | None:
         """Open an inquiry from the training thread (after a backend error) and return the verdict, if any."""

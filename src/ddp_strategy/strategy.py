@@ -300,9 +300,11 @@ class SafeDDPStrategy(DDPStrategy):
         if monitor.control.desync_error is not None:
             return monitor.control.desync_error
         text = str(error)
-        if isinstance(error, RuntimeError) and any(m in text for m in ("gloo", "Connection closed", "NCCL", "c10d")):
-            return monitor.inquire()  # a backend error: ask every rank whether their collectives diverged
-        return None
+        if not isinstance(error, RuntimeError) or not any(m in text for m in ("gloo", "Gloo", "NCCL", "c10d")):
+            return None
+        if any(m in text for m in ("Connection closed", "Connection reset", "Broken pipe")):
+            return None  # a peer process is gone: the failure diagnosis names it (peers.py)
+        return monitor.inquire()  # the backend refused a call: ask every rank whether their collectives diverged
 
     def _control_plane_or_none(self) -> ControlPlane | None:  # a bound method, so the strategy still pickles
         return self._control

@@ -339,6 +339,7 @@ def main() -> None:
     parser.add_argument("--dump-dir", help="StackDump: where rank<g>.txt go")
     parser.add_argument("--load-report", help="every rank writes the devices of the checkpoint it loaded to DIR")
     parser.add_argument("--preemption-signals", default="SIGTERM", help="SafeDDPStrategy(preemption_signals=...)")
+    parser.add_argument("--no-desync", action="store_true", help="SafeDDPStrategy(desync_detection=False)")
     parser.add_argument("--signal-on-save", type=int, default=0, help="rank 0: SIGTERM inside saves from step N")
     parser.add_argument("--batch-log", help="every rank writes its first epoch's training batches to DIR")
     args = parser.parse_args()
@@ -361,6 +362,7 @@ def main() -> None:
                 async_snapshot=args.async_snapshot,
                 save_on=args.save_on,
                 preemption_signals=args.preemption_signals.split(","),
+                desync_detection=not args.no_desync,
             )
         if args.strategy == "safe_ddp_string":
             return "safe_ddp"

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from ddp_strategy.desync import CollectiveCall, RankReport, find_divergence
+from ddp_strategy.desync import CallLedger, CallNotes, CollectiveCall, RankReport, calls_from_trace, find_divergence
 from ddp_strategy.errors import CollectiveMismatchError, UnevenInputsError
 from tests.proc import SCRIPTS, run_script
 
@@ -39,9 +39,11 @@ CASES = {
     "log-in-rank-zero-branch": ("CollectiveMismatchError", "self.log('x', sync_dist=True) in on_train_epoch_end"),
     "broadcast-on-rank-zero": ("CollectiveMismatchError", "strategy.broadcast"),
     "all-gather-on-rank-zero": ("CollectiveMismatchError", "self.all_gather"),
-    # named as a desync with each rank's place and batch count; classified as UnevenInputsError only when a rank
-    # already waits in its extra batch's backward (here it waits in Lightning's per-batch broadcast before it)
-    "uneven-iterable": ("(CollectiveMismatchError|UnevenInputsError)", "6 batch(es) started"),
+    "differing-keys": ("CollectiveMismatchError", "self.log('loss_rank0', sync_dist=True) in training_step"),
+    "metric-compute-on-rank-zero": ("CollectiveMismatchError", "torchmetrics"),
+    "all-gather-shapes": ("CollectiveMismatchError", "Float[1]"),
+    "validation-rank-zero": ("CollectiveMismatchError", "self.log('val_x', sync_dist=True) in on_validation_epoch_end"),
+    "uneven-iterable": ("UnevenInputsError", "rank(s) 1 ran out of training batches while rank(s) 0 still had one"),
 }
 
 
@@ -58,6 +60,7 @@ def test_a_rank_dependent_collective_is_named_on_every_rank_within_seconds(case:
         assert f"{user_line(case)} in " in run.output, run.describe()
         assert "is the first that differs" in run.output, run.describe()
     else:
+        assert "rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)" in run.output, run.describe()
         assert "rank 1: waits in the strategy's barrier 'weight-sync" in run.output, run.describe()
     ended = exits_at(run.output)
     assert ended, run.describe()  # the rank that raised reached the script's end (the other one may os._exit)
@@ -114,4 +117,57 @@ def test_a_rank_waiting_in_backward_for_a_rank_out_of_data_is_uneven_inputs():
     }  # fmt: skip
     error = find_divergence(reports)
     assert isinstance(error, UnevenInputsError) and error.batches == (7.0, 6.0)
-    assert "rank 0: 7, rank 1: 6" in str(error)
+    assert "rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)" in str(error)
+
+
+def test_a_rank_ahead_in_the_next_epoch_is_not_uneven_inputs_when_the_one_behind_is_out_of_its_batch():
+    # rank 0 called a barrier alone at its epoch's end; rank 1 went on into the next epoch's first backward
+    backward = "DDP's gradient all-reduce (backward)"
+    reports = {
+        0: RankReport(0, (), "barrier 9 'only_rank0'", 1.0, epoch=0, epoch_batch=8),
+        1: RankReport(1, (call(40, shape=(33,), what=backward, done=False),), "collective 0#40", 1.0, epoch=1,
+                      epoch_batch=1),
+    }  # fmt: skip
+    error = find_divergence(reports)
+    assert isinstance(error, CollectiveMismatchError) and not isinstance(error, UnevenInputsError)
+    assert "Rank(s) 0 wait at barrier 'only_rank0', but rank(s) 1 never arrived" in str(error)
+
+
+def test_ledger_digests_agree_for_the_same_calls_and_name_the_first_different_one():
+    a, b = CallLedger(), CallLedger()
+    for ledger, name in ((a, "loss_rank0"), (b, "loss_rank1")):
+        ledger.add("reduce on_train_epoch_end.loss torch.float32[] mean")
+        ledger.add(f"reduce training_step.{name} torch.float32[] mean")
+    assert a.digest_at(1) == b.digest_at(1) != 0 and a.digest_at(2) != b.digest_at(2)
+    assert a.state == (2, a.digest_at(2))
+    reports = {
+        0: RankReport(0, (), "", 0.0, ledger=tuple(a.texts)),
+        1: RankReport(1, (), "", 0.0, ledger=tuple(b.texts)),
+    }
+    error = find_divergence(reports)
+    assert isinstance(error, CollectiveMismatchError)
+    assert "through the strategy: call #2 is the first that differs" in str(error)
+    assert "rank 0: reduce training_step.loss_rank0" in str(error) and "rank 1: reduce training_step.loss_rank1" in str(
+        error
+    )
+
+
+def test_recorder_entries_become_calls_with_the_user_frame_and_the_strategys_note():
+    notes = CallNotes()
+    note = notes.begin("self.log('x', sync_dist=True) in on_train_epoch_end")
+    notes.end(note)
+    inside = (note[0] + note[1]) // 2
+    entry = {
+        "pg_id": 0, "collective_seq_id": 7, "profiling_name": "gloo:all_reduce", "input_sizes": [[]],
+        "input_dtypes": ["Float"], "retired": False, "time_created_ns": inside,
+        "frames": [
+            {"name": "all_reduce", "filename": "/x/site-packages/torch/distributed/distributed_c10d.py", "line": 1},
+            {"name": "on_train_epoch_end", "filename": "/home/me/model.py", "line": 34},
+        ],
+    }  # fmt: skip
+    (called,) = calls_from_trace([entry], notes)
+    assert (called.group, called.seq, called.op, called.done) == ("0", 7, "all_reduce", False)
+    assert called.site == "/home/me/model.py:34 in on_train_epoch_end"
+    assert called.what == "self.log('x', sync_dist=True) in on_train_epoch_end"
+    (outside,) = calls_from_trace([{**entry, "time_created_ns": note[1] + 1}], notes)
+    assert outside.what == ""  # not inside the note, no library frame

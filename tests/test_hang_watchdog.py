@@ -251,3 +251,13 @@ def test_rank_that_exited_mid_training_is_named_after_the_backend_error(tmp_path
     assert "Rank(s) 1 stopped sending heartbeats" in run.output
     assert "or exited early. Last seen:\n  rank 1: " in run.output
     assert run.output.count("stopped sending heartbeats") == 1  # the watchdog and the strategy share one diagnosis
+
+
+def test_summary_calls_a_rank_without_report_but_with_a_recent_heartbeat_alive_not_gone():
+    # issue 15: a rank that left the training loop (its watchdog is off) and waits in teardown is alive
+    reports = {0: report(0, "waiting", "backward pass")}
+    positions = {1: Position(kind="barrier", name="teardown", site="t.py:9 in main", since=90.0, heartbeat=99.5)}
+    text = hw.summarize(reports, positions, 2, trigger="t", exit_code=124, now=100.0, stale_after=3.0)
+    assert "rank 1: alive, no report (its watchdog is off: it has left the training loop); barrier 'teardown'" in text
+    assert "rank 1: alive but outside the training loop (see above) while rank 0 waits in it" in text
+    assert "gone" not in text and "NO REPORT" not in text

@@ -280,6 +280,7 @@ class ControlPlane:
         self._step: int | None = None  # the optimizer step of the last training batch this rank started
         self._progress: tuple[int | None, int | None] = (None, None)  # (epoch, batches started in it)
         self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
+        self._ledger: tuple[int, int] = (0, 0)  # (calls, digest) of the strategy's collectives (see `set_ledger`)
         self._beat_hooks: list[Callable[[Store], None]] = []
         #: beat every 0.2 s instead of every heartbeat interval (set while a desync inquiry may come)
         self.fast_beat = False
@@ -418,6 +419,10 @@ class ControlPlane:
         """Record what the training thread waits in (``""``: nothing), published with every heartbeat."""
         self._waiting = (what, since)
 
+    def set_ledger(self, calls: int, digest: int) -> None:
+        """Record the count and digest of the strategy's collectives, published with every heartbeat."""
+        self._ledger = (calls, digest)
+
     def add_beat(self, hook: Callable[[Store], None]) -> None:
         """Run ``hook(store)`` on the heartbeat thread at every beat, before the position is published.
 
@@ -428,8 +433,16 @@ class ControlPlane:
     def _published(self, position: Position, when: float) -> Position:
         epoch, epoch_batch = self._progress
         waiting, since = self._waiting
+        calls, digest = self._ledger
         return replace(
-            position, heartbeat=when, epoch=epoch, epoch_batch=epoch_batch, waiting=waiting, waiting_since=since
+            position,
+            heartbeat=when,
+            epoch=epoch,
+            epoch_batch=epoch_batch,
+            waiting=waiting,
+            waiting_since=since,
+            calls=calls,
+            digest=digest,
         )
 
     def publish_heartbeat(self, store: Store) -> None:
@@ -516,12 +529,19 @@ class ControlPlane:
             positions[rank] = Position.from_json(store.get(key)) if store.check([key]) else None
         return positions
 
-    def read_position(self, rank: int) -> Position | None:
-        """The last position ``rank`` published, or ``None`` when it never published one."""
+    def read_position(self, rank: int, store: Store | None = None) -> Position | None:
+        """The last position ``rank`` published, or ``None`` when it never published one.
+
+        Args:
+            rank: the rank.
+            store: the connection to read through; a background thread passes its own (see :meth:`connect`).
+
+        """
+        store = self._store if store is None else store
         key = _POSITION_KEY.format(rank=rank)
-        if not self._store.check([key]):
+        if not store.check([key]):
             return None
-        return Position.from_json(self._store.get(key))
+        return Position.from_json(store.get(key))
 
     # ------------------------------------------------------------------ collectives
     def barrier(
@@ -864,18 +884,31 @@ class ControlPlane:
         """Stop the heartbeat and destroy the gloo group.
 
         Args:
-            graceful: end with a barrier on the gloo group so that no rank still needs the store when rank 0
-                goes on. Every rank must then call ``close``. Pass ``False`` after a failure, when other ranks
-                may never arrive.
+            graceful: end with a monitored barrier ``"teardown"`` (the heartbeat still on, so a rank that never
+                comes is named) and then a barrier on the gloo group, so that no rank still needs the store when
+                rank 0 goes on. Every rank must then call ``close``. Pass ``False`` after a failure, when other
+                ranks may never arrive.
+
+        Raises:
+            CollectiveMismatchError: with ``graceful``, a rank did not come to the closing barrier (after
+                ``timeout``, or at once when the ranks' collectives diverged); the group is destroyed anyway.
 
         """
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=max(5.0, 2 * self._heartbeat_interval))
-            self._heartbeat = None
-        if self._group is not None and dist.is_initialized():
-            if graceful and self.world_size > 1:
-                dist.barrier(group=self._group)
-            dist.destroy_process_group(self._group)
-        self._group = None
-        self._keep.clear()
+        closing = graceful and self.world_size > 1 and self._group is not None and dist.is_initialized()
+        try:
+            if closing:  # monitored, with the heartbeat still on: a rank that never comes is named, not waited for
+                self.barrier("teardown", site=call_site(skip=2))
+        except BaseException:
+            closing = False
+            raise
+        finally:
+            self._stop.set()
+            if self._heartbeat is not None:
+                self._heartbeat.join(timeout=max(5.0, 2 * self._heartbeat_interval))
+                self._heartbeat = None
+            if self._group is not None and dist.is_initialized():
+                if closing:  # every rank is here: none needs the store once rank 0 goes on
+                    dist.barrier(group=self._group)
+                dist.destroy_process_group(self._group)
+            self._group = None
+            self._keep.clear()

@@ -32,11 +32,13 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ._compat.lightning import current_hook_name
 from ._compat.torch import collective_status, collective_trace
 from .control import ControlPlane, Store
 from .errors import CollectiveMismatchError, UnevenInputsError
@@ -45,6 +47,7 @@ from .positions import call_site, format_ranks, is_user_path, short_path
 __all__ = [
     "STUCK_AFTER",
     "TRACE_ENTRIES",
+    "CallLedger",
     "CallNotes",
     "CollectiveCall",
     "DesyncMonitor",
@@ -165,6 +168,36 @@ class CallNotes:
         return ""
 
 
+class CallLedger:
+    """A running count and CRC-32 digest of the strategy's own collectives, for a cheap comparison across ranks.
+
+    The backend pairs the n-th calls of the ranks whatever they are: two ranks that log different names with
+    ``sync_dist=True`` (Lightning #19106) never wait, and mix their values silently. Each call adds what it was
+    (``reduce on_train_epoch_end.x Float[]``) to the digest (one ``zlib.crc32`` of a short string, no I/O); the
+    heartbeat publishes ``(count, digest)``, and each rank compares a peer's with its own digest at the same count.
+    """
+
+    def __init__(self, keep: int = 4096, texts: int = REPORT_CALLS) -> None:
+        #: ``(count, digest)``, replaced as one tuple so that another thread never reads a torn pair
+        self.state: tuple[int, int] = (0, 0)
+        self._history: dict[int, int] = {}
+        self._keep = keep
+        self.texts: deque[tuple[int, str]] = deque(maxlen=texts)
+
+    def add(self, what: str) -> None:
+        """Record one collective."""
+        count, digest = self.state
+        count, digest = count + 1, zlib.crc32(what.encode(), digest)
+        self._history[count] = digest
+        self._history.pop(count - self._keep, None)
+        self.texts.append((count, what))
+        self.state = (count, digest)
+
+    def digest_at(self, count: int) -> int | None:
+        """The digest after ``count`` calls, if still kept (``0`` for none)."""
+        return 0 if count == 0 else self._history.get(count)
+
+
 class LogSites:
     """Where the module called ``self.log(..., sync_dist=True)``, per hook and name, for the collectives they make.
 
@@ -186,7 +219,7 @@ class LogSites:
 
         def log_recording_site(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("sync_dist"):
-                key = (str(getattr(module, "_current_fx_name", None) or ""), name)
+                key = (current_hook_name(module), name)
                 if key not in sites:
                     sites[key] = call_site(skip=2)
             return original(name, value, *args, **kwargs)
@@ -272,6 +305,7 @@ class RankReport:
         epoch_batch: the batches of that epoch it started.
         barrier_site: the call site of the barrier it waits in, if any.
         step: the optimizer step of its last training batch (``None`` outside training).
+        ledger: its newest strategy collectives as ``(count, what)`` (see :class:`CallLedger`).
 
     """
 
@@ -284,6 +318,7 @@ class RankReport:
     epoch_batch: int | None = None
     barrier_site: str = ""
     step: int | None = None
+    ledger: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> str:
         """Serialise for the rendezvous store."""
@@ -296,6 +331,7 @@ class RankReport:
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
         data["calls"] = tuple(CollectiveCall.from_dict(c) for c in data["calls"])
+        data["ledger"] = tuple((int(n), str(w)) for n, w in data.get("ledger", ()))
         data["status"] = {g: (int(v[0]), int(v[1])) for g, v in data["status"].items()}
         return cls(**data)
 
@@ -318,11 +354,6 @@ class RankReport:
             name = self.waiting.split(" ", 2)[2]
             return f"waits in the strategy's barrier {name}" + (f" at {self.barrier_site}" if self.barrier_site else "")
         return "runs (it waits in no collective)"
-
-    def waits_in_backward(self) -> bool:
-        """Whether it waits in DDP's gradient all-reduce."""
-        call = self.pending()
-        return call is not None and call.what.startswith("DDP's gradient")
 
     def describe_now(self) -> str:
         """Where it waits, and its training progress."""
@@ -375,6 +406,19 @@ def _first_mismatch(reports: Mapping[int, RankReport]) -> tuple[str, int, dict[i
     return group, seq, calls
 
 
+def _first_ledger_mismatch(reports: Mapping[int, RankReport]) -> tuple[int, dict[int, str]] | None:
+    """The first strategy collective (by count) that differs between ranks that both still list it."""
+    by_count: dict[int, dict[int, str]] = {}
+    for rank, report in reports.items():
+        for count, what in report.ledger:
+            by_count.setdefault(count, {})[rank] = what
+    for count in sorted(by_count):
+        texts = by_count[count]
+        if len(texts) > 1 and len(set(texts.values())) > 1:
+            return count, texts
+    return None
+
+
 def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchError | None:
     """The error every rank raises for these reports, or ``None`` when they show no divergence.
 
@@ -392,7 +436,8 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
     mismatch = _first_mismatch(reports)
     waits = {rank: report.waiting for rank, report in reports.items()}
     stuck = all(waits.values()) and len(set(waits.values())) > 1
-    if mismatch is None and not stuck:
+    ledger = _first_ledger_mismatch(reports) if mismatch is None else None
+    if mismatch is None and ledger is None and not stuck:
         return None
     lines: list[str] = []
     name = "collective"
@@ -410,6 +455,14 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
         absent = sorted(set(reports) - set(calls))
         if absent:
             lines.append(f"  rank {format_ranks(absent)}: had not reached call #{seq} of that group")
+    elif ledger is not None:
+        count, texts = ledger
+        name = f"strategy collective #{count}"
+        lines.append(
+            f"Ranks made different collective calls through the strategy: call #{count} is the first that differs "
+            "(the backend pairs the ranks' calls in order, whatever they are, and mixes their values):"
+        )
+        lines.extend(_grouped(texts))
     elif barriers:
         first_rank = min(barriers)
         name = barriers[first_rank]
@@ -434,24 +487,49 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
     return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing, reason="desync")
 
 
+#: what a rank waits in when it is inside a training batch (Lightning >= 2.5 broadcasts a SIGTERM flag before it
+#: fetches each batch; the fetcher had that batch ready already)
+_PER_BATCH = ("DDP's gradient all-reduce", "DDP's buffer broadcast", "Lightning's _broadcast_sigterm_tensor")
+_BEFORE_BATCH = "Lightning's _broadcast_sigterm_tensor"
+
+
+def _batches_reached(report: RankReport) -> int:
+    """The batches of its epoch a rank has started, counting one it waits to start."""
+    call = report.pending()
+    ahead = int(call is not None and call.what.startswith(_BEFORE_BATCH))
+    return int(report.epoch_batch or 0) + ahead
+
+
 def _uneven(reports: Mapping[int, RankReport]) -> tuple[str, list[float]] | None:
-    """Uneven training inputs: a rank waits in DDP's gradient all-reduce that the others have no batch for."""
-    in_backward = [r for r, report in reports.items() if report.waits_in_backward()]
-    progress = {r: (report.epoch, report.epoch_batch) for r, report in reports.items()}
-    if not in_backward or all(progress[r] == progress[in_backward[0]] for r in reports):
-        return None  # every rank is at the same batch: not a matter of data
-    reached = {r: float(report.epoch_batch or 0) for r, report in reports.items()}
+    """Uneven training inputs: a rank waits inside a training batch of an epoch another rank has run out of.
+
+    Rank ``b`` waits in a per-batch collective (DDP's gradient all-reduce or buffer broadcast, Lightning's
+    per-batch broadcast); rank ``o`` does not, and has started fewer batches of that epoch, or is in a later epoch.
+    """
+    in_batch = [
+        r for r, report in reports.items() if (c := report.pending()) is not None and c.what.startswith(_PER_BATCH)
+    ]
+    reached = {r: _batches_reached(report) for r, report in reports.items()}
+    epoch = {r: report.epoch if report.epoch is not None else -1 for r, report in reports.items()}
+    ran_out = sorted(
+        o
+        for o in reports
+        if o not in in_batch
+        and any(epoch[o] > epoch[b] or (epoch[o] == epoch[b] and reached[o] < reached[b]) for b in in_batch)
+    )
+    if not ran_out:
+        return None
     text = (
-        "Uneven inputs: the ranks have different numbers of training batches in this epoch, so DDP's gradient "
-        "all-reduce of rank(s) "
-        f"{format_ranks(in_backward)} waits for ranks that ran out of data. Batches started per rank: "
-        + ", ".join(f"rank {r}: {int(n)}" for r, n in sorted(reached.items()))
+        f"Uneven inputs: rank(s) {format_ranks(ran_out)} ran out of training batches while rank(s) "
+        f"{format_ranks(in_batch)} still had one, so those wait in a per-batch collective no other rank enters. "
+        "Batches started per rank in its epoch: "
+        + ", ".join(f"rank {r}: {n} (epoch {epoch[r]})" for r, n in sorted(reached.items()))
         + ". Give every rank the same number of batches: keep Lightning's DistributedSampler "
         "(`use_distributed_sampler=True`), or for an IterableDataset shard it into equal lengths per rank (drop the "
         "remainder); `SafeDDPStrategy(uneven_inputs='raise')` compares the counts before the first step when the "
         "loaders have a length."
     )
-    return text, [reached[r] for r in sorted(reached)]
+    return text, [float(reached[r]) for r in sorted(reached)]
 
 
 class DesyncMonitor:
@@ -460,13 +538,27 @@ class DesyncMonitor:
     Args:
         control: this rank's control plane (its heartbeat thread runs :meth:`beat`).
         notes: what made the strategy's own collectives.
+        progress: ``(epoch, batches fetched in it)`` while training, else ``None`` (read by the heartbeat thread);
+            without it, the epoch and batches started that the strategy noted with each training step.
+        ledger: the count and digest of the strategy's own collectives, compared with the next rank's each beat.
         stuck_after: seconds of an unchanged wait before this rank counts as stuck.
 
     """
 
-    def __init__(self, control: ControlPlane, notes: CallNotes, *, stuck_after: float = STUCK_AFTER) -> None:
+    def __init__(
+        self,
+        control: ControlPlane,
+        notes: CallNotes,
+        *,
+        progress: Callable[[], tuple[int, int] | None] | None = None,
+        ledger: CallLedger | None = None,
+        stuck_after: float = STUCK_AFTER,
+    ) -> None:
         self.control = control
         self.notes = notes
+        self.progress = progress
+        self.ledger = ledger if ledger is not None else CallLedger()
+        self._ledger_inquired = False
         self.stuck_after = stuck_after
         self._wait: tuple[str, float] = ("", 0.0)
         self._answered = 0  # the last inquiry this rank answered
@@ -498,6 +590,7 @@ class DesyncMonitor:
         if control.desync_error is not None:
             self._break_if_blocked()
             return
+        control.set_ledger(*self.ledger.state)
         inquiry = int(store.add(_INQUIRY_KEY, 0))
         if inquiry > self._answered:
             self._answer(store, inquiry)
@@ -505,6 +598,19 @@ class DesyncMonitor:
         if stuck and what not in self._inquired and self._all_stuck(store):
             self._inquired.add(what)
             self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+            return
+        if not self._ledger_inquired and self._ledger_differs(store):
+            self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
+            self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+
+    def _ledger_differs(self, store: Store) -> bool:
+        """Whether the next rank's strategy collectives differ from this rank's at the count it reached."""
+        peer = (self.control.rank + 1) % self.control.world_size
+        position = self.control.read_position(peer, store)
+        if position is None or position.calls == 0 or position.calls > self.ledger.state[0]:
+            return False
+        mine = self.ledger.digest_at(position.calls)
+        return mine is not None and mine != position.digest
 
     def _all_stuck(self, store: Store) -> bool:
         positions = self.control.read_positions(store)
@@ -528,6 +634,9 @@ class DesyncMonitor:
             newest.extend([c for c in calls if c.group == group][-REPORT_CALLS:])
         what, since = self._current_wait()
         epoch, epoch_batch = self.control.progress
+        if self.progress is not None:
+            now = self.progress()
+            epoch, epoch_batch = now if now is not None else (None, None)
         step = self.control.step
         barrier_site = self.control.position.site if what.startswith("barrier ") else ""
         return RankReport(
@@ -540,6 +649,7 @@ class DesyncMonitor:
             epoch_batch=epoch_batch,
             barrier_site=barrier_site,
             step=step,
+            ledger=tuple(self.ledger.texts),
         )
 
     def _answer(self, store: Store, inquiry: int) -> CollectiveMismatchError | None:

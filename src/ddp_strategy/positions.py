@@ -68,6 +68,9 @@ class Position:
             (``"collective <group>#<seq>"``, pending in torch's Flight Recorder) or a control-plane barrier
             (``"barrier <seq> '<name>'"``); empty when it waits in none (it runs).
         waiting_since: wall-clock time since when it waits there unchanged.
+        calls: how many collectives the strategy made for this rank (``reduce`` for ``self.log(...,
+            sync_dist=True)``, ``all_gather``, ``broadcast``), and ``digest``: a CRC-32 chained over what each was.
+            Two ranks whose digests differ at the same count made different calls (see :mod:`ddp_strategy.desync`).
 
     """
 
@@ -82,6 +85,8 @@ class Position:
     epoch_batch: int | None = None
     waiting: str = ""
     waiting_since: float = 0.0
+    calls: int = 0
+    digest: int = 0
 
     def describe(self, now: float | None = None) -> str:
         """A one-line human description, e.g. ``barrier 'save' at train.py:42 in main (entered 3.1 s ago)``."""

@@ -41,6 +41,7 @@ from ._compat.lightning import (
     set_sampler_epoch,
     trainer_of,
     training_dataloaders,
+    training_progress,
 )
 from ._compat.torch import collective_status, enable_collective_trace
 from .callbacks.preemption_stop import PreemptionStop
@@ -52,7 +53,7 @@ from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
-from .desync import TRACE_ENTRIES, CallNotes, DesyncMonitor, LogSites
+from .desync import TRACE_ENTRIES, CallLedger, CallNotes, DesyncMonitor, LogSites
 from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
 from .fork_safety import fork_hazard, pin_collective_threads
@@ -266,6 +267,7 @@ class SafeDDPStrategy(DDPStrategy):
         self.desync_detection = bool(desync_detection)
         self._desync: DesyncMonitor | None = None
         self._call_notes = CallNotes()
+        self._call_ledger = CallLedger()
         self._log_sites = LogSites()
 
     # ------------------------------------------------------------------ registration
@@ -291,6 +293,14 @@ class SafeDDPStrategy(DDPStrategy):
         signals = self.preemption_signals or ()
         codes = frozenset(exit_code(sig) for sig in signals)
         configure_launcher(self, codes, tuple(int(sig) for sig in signals), self._agreed_error_instead)
+
+    def _raise_agreed_desync(self) -> None:
+        """Raise the desync every rank agreed on, at this rank's next strategy hook (its ranks run on otherwise)."""
+        if self._control is not None and self._control.desync_error is not None:
+            raise self._control.desync_error
+
+    def _training_progress(self) -> tuple[int, int] | None:
+        return training_progress(self._trainer_or_none())
 
     def _agreed_error_instead(self, error: BaseException) -> BaseException | None:
         """The desync error the ranks agreed on, to raise instead of the backend error it caused; else ``None``."""
@@ -324,7 +334,10 @@ class SafeDDPStrategy(DDPStrategy):
             self._desync = None
             watch = self.desync_detection and self.world_size > 1 and self.heartbeat_interval > 0
             if watch and collective_status():  # torch's Flight Recorder is on (see setup_distributed)
-                self._desync = DesyncMonitor(self._control, self._call_notes)
+                self._call_ledger = CallLedger()
+                self._desync = DesyncMonitor(
+                    self._control, self._call_notes, progress=self._training_progress, ledger=self._call_ledger
+                )
             if self.world_size > 1:  # before any DataLoader forks a worker (see fork_safety)
                 groups = (
                     [self._control.group] if self._default_group_pinned else [dist.group.WORLD, self._control.group]
@@ -475,6 +488,7 @@ class SafeDDPStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Runs after the callbacks' and the module's on_train_batch_start (and on_train_epoch_start, where
         # BackboneFinetuning unfreezes) and before the forward: a change of requires_grad made there is followed now.
+        self._raise_agreed_desync()
         self._train_batches += 1
         trainer = self._trainer_or_none()
         step = trainer.global_step if trainer is not None else 0
@@ -582,7 +596,10 @@ class SafeDDPStrategy(DDPStrategy):
                 tensor = tensor.double()
         if self._desync is None:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        self._raise_agreed_desync()
         logged = logged_metric_of_caller()
+        shape = f"{tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
+        self._call_ledger.add(f"reduce {'.'.join(logged) if logged else ''} {shape} {reduce_op}")
         note = self._call_notes.begin(self._log_sites.describe(*logged) if logged else "strategy.reduce")
         try:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -595,6 +612,10 @@ class SafeDDPStrategy(DDPStrategy):
             self._exact.check_collective("`all_gather` (e.g. `self.all_gather`)")
         if self._desync is None:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        self._raise_agreed_desync()
+        self._call_ledger.add(
+            f"all_gather {tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, Tensor) else "all_gather"
+        )
         note = self._call_notes.begin("self.all_gather / strategy.all_gather")
         try:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
@@ -605,6 +626,8 @@ class SafeDDPStrategy(DDPStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._desync is None:
             return super().broadcast(obj, src)
+        self._raise_agreed_desync()
+        self._call_ledger.add(f"broadcast {src}")
         note = self._call_notes.begin(f"strategy.broadcast(obj, src={src})")
         try:
             return super().broadcast(obj, src)
@@ -630,6 +653,7 @@ class SafeDDPStrategy(DDPStrategy):
         # With exact evaluation the ranks take different numbers of steps, so the step must not go through the
         # DDP wrapper's forward (its first call broadcasts buffers: a hidden collective). The buffers are synced
         # once, by every rank, when the loop starts (see `_sync_buffers_before_evaluation`).
+        self._raise_agreed_desync()
         if self.exact_evaluation_coordinator is None:
             return getattr(super(), hook)(*args, **kwargs)
         assert self.lightning_module is not None

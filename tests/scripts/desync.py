@@ -7,6 +7,13 @@ Cases (each the user's own mistake, at a line the tests look for in the error):
                             ``on_train_epoch_end`` (Lightning #19604)
   broadcast-on-rank-zero    ``self.trainer.strategy.broadcast(obj)`` on rank 0 only, in ``training_step``
   all-gather-on-rank-zero   ``self.all_gather(tensor)`` on rank 0 only, in ``training_step``
+  differing-keys            ``self.log(f"loss_rank{rank}", loss, sync_dist=True)``: each rank logs another name
+                            (Lightning #19106): the backend pairs the calls and mixes the values silently
+  metric-compute-on-rank-zero  a torchmetrics ``MeanMetric``'s ``compute()`` on rank 0 only, in
+                            ``on_train_epoch_end``
+  all-gather-shapes         ``self.all_gather`` of a tensor whose shape differs per rank, in ``training_step``
+  validation-rank-zero      ``self.log("val_x", ..., sync_dist=True)`` under ``is_global_zero`` in
+                            ``on_validation_epoch_end``
   uneven-iterable           no DistributedSampler; an IterableDataset of 8 batches on rank 0 and 6 on rank 1
   slow-rank-zero            correct: rank 0 spends 8 s alone in ``on_train_epoch_end`` (a large checkpoint write)
                             while rank 1 waits in the next collective
@@ -25,6 +32,7 @@ import time
 from typing import Any
 
 import torch
+import torchmetrics
 from lightning_namespace import SafeDDPStrategy, pl
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -60,6 +68,8 @@ class Model(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.mean_loss = torchmetrics.MeanMetric()
+        self.logged_once = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -70,7 +80,25 @@ class Model(pl.LightningModule):
         if CASE == "all-gather-on-rank-zero" and batch_idx == 2 and self.trainer.is_global_zero:
             diverged(self.global_rank)
             self.all_gather(loss.detach())  # USER-LINE all-gather-on-rank-zero
+        if CASE == "all-gather-shapes" and batch_idx == 2:
+            diverged(self.global_rank)
+            self.all_gather(torch.zeros(self.global_rank + 1))  # USER-LINE all-gather-shapes
+        if CASE == "differing-keys":
+            if not self.logged_once:
+                diverged(self.global_rank)
+                self.logged_once = True
+            self.log(f"loss_rank{self.global_rank}", loss, sync_dist=True)  # USER-LINE differing-keys
+        self.mean_loss.update(loss.detach())
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if CASE == "validation-rank-zero" and self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            diverged(self.global_rank)
+            self.log("val_x", torch.tensor(1.0), sync_dist=True)  # USER-LINE validation-rank-zero
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         say(f"rank={self.global_rank} step={batch_idx + 1}")
@@ -81,6 +109,10 @@ class Model(pl.LightningModule):
             self.log("x", torch.tensor(1.0), sync_dist=True)  # USER-LINE log-in-rank-zero-branch
         if CASE == "slow-rank-zero" and self.trainer.is_global_zero and self.current_epoch == 0:
             time.sleep(8.0)
+        if CASE == "metric-compute-on-rank-zero" and self.trainer.is_global_zero:
+            diverged(self.global_rank)
+            self.mean_loss.compute()  # USER-LINE metric-compute-on-rank-zero
+        self.mean_loss.reset()
 
     def train_dataloader(self) -> DataLoader:
         if CASE == "uneven-iterable":
@@ -88,6 +120,10 @@ class Model(pl.LightningModule):
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
         return DataLoader(data, batch_size=4)
+
+    def val_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, generator=g)), batch_size=4)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -108,6 +144,7 @@ def main() -> None:
         strategy=strategy,
         max_epochs=2,
         use_distributed_sampler=CASE != "uneven-iterable",
+        limit_val_batches=1.0 if CASE == "validation-rank-zero" else 0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

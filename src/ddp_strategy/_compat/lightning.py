@@ -49,6 +49,7 @@ __all__ = [
     "collect_rng_states",
     "configure_launcher",
     "count_checkpointed_batch_as_completed",
+    "current_hook_name",
     "dataloader_init_args",
     "destroy_default_process_group",
     "fabric",
@@ -72,6 +73,7 @@ __all__ = [
     "set_sampler_epoch",
     "trainer_of",
     "training_dataloaders",
+    "training_progress",
     "unwrap_index_batch_sampler",
     "update_dataloader",
     "uses_distributed_sampler",
@@ -568,6 +570,23 @@ def configure_launcher(
         strategy._launcher = _ExitCodeLauncher(strategy, launcher._start_method, exit_codes, signals, convert)
     elif type(launcher) is _SubprocessScriptLauncher:
         strategy._launcher = _ConvertingScriptLauncher(launcher, convert)
+
+
+def training_progress(trainer: Any) -> tuple[int, int] | None:
+    """``(epoch, batches fetched in it)`` while ``fit`` trains, read from the loops' counters (any thread may ask).
+
+    The epoch is the one being trained (``current_epoch`` counts completed epochs); the fetched batches include
+    one whose step has not started yet. ``None`` outside training.
+    """
+    if trainer is None or not trainer.training:
+        return None
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return int(trainer.current_epoch), int(progress.ready)
+
+
+def current_hook_name(module: Any) -> str:
+    """The LightningModule hook running now (``"training_step"``, ``"on_train_epoch_end"``); ``""`` outside one."""
+    return str(getattr(module, "_current_fx_name", None) or "")
 
 
 def logged_metric_of_caller(depth: int = 8) -> tuple[str, str] | None:

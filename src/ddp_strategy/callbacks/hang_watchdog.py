@@ -147,6 +147,7 @@ def summarize(
     trigger: str,
     exit_code: int,
     now: float | None = None,
+    stale_after: float = 3.0,
 ) -> str:
     """The one-screen summary rank 0 prints: where each rank is, grouped, and which ranks differ from the rest.
 
@@ -157,6 +158,8 @@ def summarize(
         trigger: why the watchdog fired.
         exit_code: the code every rank exits with.
         now: the current wall-clock time (``time.time()``), for ages.
+        stale_after: seconds without a heartbeat after which a rank without a report counts as gone; one whose
+            heartbeat is newer is alive (its watchdog is off: it left the training loop, e.g. into teardown).
 
     """
     now = time.time() if now is None else now
@@ -173,13 +176,20 @@ def summarize(
             f"  rank {format_ranks(ranks)}: {state} in {where}; training step {step_text}; "
             f"last progress: {progress} ({reports[ranks[0]]['idle']:.1f} s before the dump)"
         )
+    alive = [rank for rank in missing if _alive(positions.get(rank), now, stale_after)]
     for rank in missing[:8]:
         position = positions.get(rank)
+        if rank in alive and position is not None:
+            lines.append(
+                f"  rank {rank}: alive, no report (its watchdog is off: it has left the training loop); "
+                f"{position.describe(now)}"
+            )
+            continue
         seen = "never published a position" if position is None else f"last seen: {position.describe(now)}"
         lines.append(f"  rank {rank}: NO REPORT (dead, or frozen without running Python); {seen}")
     if len(missing) > 8:
         lines.append(f"  ... and {len(missing) - 8} more ranks without a report: {format_ranks(missing)}")
-    lines.extend(_verdict(groups, missing))
+    lines.extend(_verdict(groups, [r for r in missing if r not in alive], alive))
     dumps = [reports[r]["dump"] for r in sorted(reports) if reports[r].get("dump")]
     if dumps:
         folder = os.path.dirname(dumps[0])
@@ -190,12 +200,21 @@ def summarize(
     return "\n".join(lines)
 
 
-def _verdict(groups: dict[tuple[str, str], list[int]], missing: list[int]) -> list[str]:
+def _alive(position: Position | None, now: float, stale_after: float) -> bool:
+    """Whether a rank's heartbeat is recent: it runs Python, even without a report."""
+    return position is not None and position.kind != "failed" and now - position.heartbeat <= stale_after
+
+
+def _verdict(groups: dict[tuple[str, str], list[int]], missing: list[int], alive: list[int] | None = None) -> list[str]:
     waiting = sorted(r for (state, _), ranks in groups.items() if state == "waiting" for r in ranks)
     running = sorted(r for (state, _), ranks in groups.items() if state == "running" for r in ranks)
     found: list[str] = []
     if missing:
         found.append(f"rank {format_ranks(missing)}: gone (no report, heartbeat stopped): it died or exited early")
+    if alive:
+        verb = "waits" if len(waiting) == 1 else "wait"
+        tail = f" while rank {format_ranks(waiting)} {verb} in it" if waiting else ""
+        found.append(f"rank {format_ranks(alive)}: alive but outside the training loop (see above){tail}")
     if running and (waiting or missing):
         found.append(
             f"rank {format_ranks(running)}: running its own code (not in any collective) while "
@@ -641,9 +660,13 @@ class HangWatchdog(Callback):
         except Exception as err:
             self._print_local(report, reason, err)
             return
-        self._emit(summarize(reports, positions, self._world_size, trigger=reason, exit_code=self.exit_code))
+        stale = max(3.0, 4 * self._control.heartbeat_interval) if self._control is not None else 3.0
+        self._emit(
+            summarize(reports, positions, self._world_size, trigger=reason, exit_code=self.exit_code, stale_after=stale)
+        )
         try:
-            self._kill_frozen(store, reports)
+            alive = {r for r, p in positions.items() if _alive(p, time.time(), stale)}
+            self._kill_frozen(store, {**{r: {} for r in alive}, **reports})
             store.set(_DONE_KEY, "1")
             acks = [_ACK_KEY.format(rank=r) for r in present if r != self._rank]
             deadline = time.monotonic() + 2.0
@@ -653,7 +676,10 @@ class HangWatchdog(Callback):
             log.debug("HangWatchdog: could not announce the summary (%s)", err)
 
     def _kill_frozen(self, store: Store, reports: dict[int, dict[str, Any]]) -> None:
-        """Kill ranks on this host that are alive but never reported (frozen without running Python)."""
+        """Kill ranks on this host that never reported and whose heartbeat stopped (frozen without running Python).
+
+        ``reports`` also holds (empty) entries for ranks whose heartbeat is recent: they are alive and left alone.
+        """
         host = socket.gethostname()
         for rank in range(self._world_size):
             key = _PROCESS_KEY.format(rank=rank)

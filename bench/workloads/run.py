@@ -71,7 +71,9 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
+from ddp_strategy._compat.torch import enable_collective_trace  # noqa: E402
 from ddp_strategy.callbacks import HangWatchdog, StragglerMonitor, WeightSyncCheck  # noqa: E402
+from ddp_strategy.desync import TRACE_ENTRIES  # noqa: E402
 from examples.cifar10.data import CIFAR10_MEAN, CIFAR10_STD, DEFAULT_DATA_DIR, CIFAR10DataModule  # noqa: E402
 from examples.cifar10.model import CIFAR10Classifier, one_cycle_factor  # noqa: E402
 
@@ -103,10 +105,28 @@ class MLP(pl.LightningModule):
         return self.net(x)  # type: ignore[no-any-return]
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        return (self(batch[0]) - batch[0]).pow(2).mean()
+        loss = (self(batch[0]) - batch[0]).pow(2).mean()
+        self.log("loss_synced", loss.detach(), sync_dist=True)  # one synced value per step (issue 15's workload)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return make_mlp_optimizer(self)
+
+
+class SyncedCIFAR10Classifier(CIFAR10Classifier):
+    """The CIFAR-10 example, which also logs its loss with ``sync_dist=True`` every step (issue 15's workload)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss_synced", loss.detach(), sync_dist=True)
+        return loss
+
+
+def sync_like_lightning(loss: Tensor) -> None:
+    """What ``self.log(..., sync_dist=True)`` does on every rank (Lightning's ``_sync_ddp``), for the raw loop."""
+    value = loss.detach().clone()
+    dist.barrier()
+    dist.all_reduce(value)
 
 
 def make_mlp_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -322,7 +342,7 @@ def lightning_fit(group: dict[str, Any], variant: str, ctx: dict[str, Any], cloc
     workload, warmup, timed = group["workload"], group["warmup"], group["timed"]
     plan = ctx["plan"]
     seed_all(plan["seed"])
-    model: pl.LightningModule = CIFAR10Classifier() if workload == "cifar" else MLP()
+    model: pl.LightningModule = SyncedCIFAR10Classifier() if workload == "cifar" else MLP()
     loader = DataLoader(ctx["data"].sets[workload], batch_size=plan["batch_size"][workload], shuffle=True)
     strategy: DDPStrategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
     exclude = WEIGHT_SYNC_EXCLUDE[workload]
@@ -414,6 +434,7 @@ def raw_fit(group: dict[str, Any], ctx: dict[str, Any], clock: Clock) -> dict[st
         # Between forward and backward, as Lightning's automatic optimization does. (At the top of the loop it cost
         # the MLP 20-40 ms more per step here: page faults re-allocating the 102 MB of gradients after the forward.)
         optimizer.zero_grad(set_to_none=True)
+        sync_like_lightning(loss)
         loss.backward()
         optimizer.step()
         if scheduler is not None:
@@ -501,6 +522,9 @@ def main() -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
     if torchrun:
+        # torch's Flight Recorder, as SafeDDPStrategy turns it on for its own group (its desync detection reads it);
+        # it records every variant's collectives alike (measured: no cost per call above noise, docs/architecture.md)
+        enable_collective_trace(TRACE_ENTRIES)
         dist.init_process_group("gloo")  # before any fit, so no timed fit pays for the default process group
         world = dist.get_world_size()
         ctx: dict[str, Any] = {"devices": int(os.environ["LOCAL_WORLD_SIZE"]), "world": world}

@@ -41,14 +41,16 @@ CASES = {
     "all-gather-on-rank-zero": ("CollectiveMismatchError", "self.all_gather"),
     "differing-keys": ("CollectiveMismatchError", "self.log('loss_rank0', sync_dist=True) in training_step"),
     "metric-compute-on-rank-zero": ("CollectiveMismatchError", "torchmetrics"),
-    "all-gather-shapes": ("CollectiveMismatchError", "Float[1]"),
+    "all-gather-shapes": ("CollectiveMismatchError", "the ranks passed tensors of different shapes"),
     "validation-rank-zero": ("CollectiveMismatchError", "self.log('val_x', sync_dist=True) in on_validation_epoch_end"),
     "uneven-iterable": ("UnevenInputsError", "rank(s) 1 ran out of training batches while rank(s) 0 still had one"),
 }
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.compat) if c == "log-in-rank-zero-branch" else c for c in sorted(CASES)]
+)
 def test_a_rank_dependent_collective_is_named_on_every_rank_within_seconds(case: str):
     run = run_script([str(SCRIPT), case], timeout=150)
     assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
@@ -58,6 +60,11 @@ def test_a_rank_dependent_collective_is_named_on_every_rank_within_seconds(case:
     assert what in run.output, run.describe()
     if case != "uneven-iterable":
         assert f"{user_line(case)} in " in run.output, run.describe()
+    if case == "all-gather-shapes":
+        assert "rank 0: shape [1]" in run.output and "rank 1: shape [2]" in run.output, run.describe()
+    elif case == "validation-rank-zero":  # rank 1 went on to the strategy's barrier after validation
+        assert "wait at barrier 'exact-eval:logged-keys'" in run.output, run.describe()
+    elif case != "uneven-iterable":
         assert "is the first that differs" in run.output, run.describe()
     else:
         assert "rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)" in run.output, run.describe()
@@ -66,6 +73,18 @@ def test_a_rank_dependent_collective_is_named_on_every_rank_within_seconds(case:
     assert ended, run.describe()  # the rank that raised reached the script's end (the other one may os._exit)
     assert max(ended) - diverged_at(run.output) <= 12.0, run.describe()  # 10 s named + teardown on a loaded CI
     assert "fit-done" not in run.output
+
+
+@pytest.mark.multiprocess
+def test_a_rank_dependent_sync_is_named_on_every_rank_under_torchrun():
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    run = run_script([*torchrun, str(SCRIPT), "log-in-rank-zero-branch"], timeout=150)
+    assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\]: (ddp_strategy\.errors\.)?CollectiveMismatchError: ", run.output), (
+            run.describe()
+        )
+    assert f"{user_line('log-in-rank-zero-branch')} in on_train_epoch_end" in run.output, run.describe()
 
 
 @pytest.mark.multiprocess

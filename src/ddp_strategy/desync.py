@@ -54,6 +54,7 @@ __all__ = [
     "LogSites",
     "RankReport",
     "calls_from_trace",
+    "check_gather_shapes",
     "find_divergence",
 ]
 
@@ -66,6 +67,7 @@ TRACE_ENTRIES = 2048
 #: Collectives per process group a rank puts in its report (the newest).
 REPORT_CALLS = 256
 _INQUIRY_KEY = "desync/inquiry"
+_RANK0_STOPPING_KEY = "desync/rank0-stopping"  # rank 0 has printed the agreed error (it may exit any moment now)
 _REPORT_KEY = "desync/report/{inquiry}/{rank}"
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
 _BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
@@ -564,6 +566,7 @@ class DesyncMonitor:
         self._answered = 0  # the last inquiry this rank answered
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
         self._verdict_at: float | None = None
+        self._shown = False  # this rank printed the agreed error already
         self._lock = threading.Lock()
         control.add_beat(self.beat)
 
@@ -588,7 +591,7 @@ class DesyncMonitor:
         control.set_waiting(what if stuck else "", since if stuck else 0.0)
         control.fast_beat = bool(what) and time.time() - since >= self.stuck_after / 2  # answer inquiries quickly
         if control.desync_error is not None:
-            self._break_if_blocked()
+            self._break_if_blocked(store)
             return
         control.set_ledger(*self.ledger.state)
         inquiry = int(store.add(_INQUIRY_KEY, 0))
@@ -682,7 +685,21 @@ class DesyncMonitor:
             if error is not None and self.control.desync_error is None:
                 self.control.desync_error = error
                 self._verdict_at = time.monotonic()
+                if self._current_wait()[0].startswith("collective "):
+                    # blocked inside the backend: it may be killed (a launcher stopping the job when another rank
+                    # exits) before it can raise, so it shows the error now
+                    self._show(error)
             return error
+
+    def _show(self, error: CollectiveMismatchError) -> None:
+        if not self._shown:
+            self._shown = True
+            rank = self.control.rank
+            text = "\n".join(f"[rank{rank}]: {line}" for line in str(error).splitlines())
+            sys.stderr.write(
+                f"[rank{rank}]: ddp_strategy.errors.{type(error).__name__}: {text[len(f'[rank{rank}]: ') :]}\n"
+            )
+            sys.stderr.flush()
 
     def _a_silent_rank_is_missing(self, store: Store, keys: list[str]) -> bool:
         """Whether a rank that has not reported failed or stopped its heartbeat: it never will report."""
@@ -708,7 +725,7 @@ class DesyncMonitor:
             return self.control.desync_error
 
     # ------------------------------------------------------------------ acting
-    def _break_if_blocked(self) -> None:
+    def _break_if_blocked(self, store: Store) -> None:
         """After the verdict: a rank still blocked in a backend collective prints the error and exits.
 
         Rank 0 goes first, one second after the verdict, the others half a second apart after it: its exit closes
@@ -725,12 +742,79 @@ class DesyncMonitor:
         delay = _BREAK_AFTER + 0.5 * self.control.rank
         if time.monotonic() - self._verdict_at < delay:
             return
+        self._show(error)
         sys.stderr.write(
-            f"[rank{self.control.rank}]: ddp_strategy.errors.{type(error).__name__}: {error}\n"
-            f"[rank{self.control.rank}]: this rank's training thread is blocked inside that collective, which no "
+            f"[rank{self.control.rank}]: this rank's training thread is blocked inside a collective, which no "
             f"Python error can interrupt; the process exits with code {_EXIT_CODE} so that the other ranks' "
             "collectives return.\n"
         )
         sys.stderr.flush()
         sys.stdout.flush()
+        if self.control.rank == 0:
+            self.rank0_stopping(store)
         os._exit(_EXIT_CODE)
+
+    def rank0_stopping(self, store: Store | None = None) -> None:
+        """On rank 0: say that it has shown the agreed error (best effort; see :meth:`await_rank0`)."""
+        try:
+            (store if store is not None else self.control.store).set(_RANK0_STOPPING_KEY, "1")
+        except Exception as err:  # the error being raised is what matters
+            log.debug("ddp_strategy: rank 0 could not announce its stop: %s", err)
+
+    def await_rank0(self, timeout: float = 3.0) -> None:
+        """On another rank, before it exits with the agreed error: wait (at most ``timeout``) until rank 0 showed it.
+
+        Under Lightning's subprocess launcher rank 0 is the parent of its node's other ranks and kills itself as
+        soon as one of them exits with an error; waiting lets rank 0 print the error first.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and not self.control.store.check([_RANK0_STOPPING_KEY]):
+                time.sleep(0.05)
+        except Exception as err:  # rank 0's store is gone: it has exited already
+            log.debug("ddp_strategy: rank %d: rank 0's store is gone (%s)", self.control.rank, err)
+
+
+_MAX_DIMS = 8
+
+
+def check_gather_shapes(tensor: Any, *, group: Any = None, device: Any = None, site: str = "") -> None:
+    """Before ``all_gather``: gather every rank's shape and dtype (one small fixed-size gather) and compare them.
+
+    gloo aborts the whole process (``gloo::EnforceNotMet``, SIGABRT) when the ranks gather tensors of different
+    sizes. A fixed-size gather of the shapes first lets every rank raise the same named error instead.
+
+    Raises:
+        CollectiveMismatchError: the ranks' tensors differ in shape or dtype (``reason="shapes"``).
+
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return
+    shape = list(tensor.shape)
+    if len(shape) > _MAX_DIMS:
+        return
+    meta = torch.tensor(
+        [zlib.crc32(str(tensor.dtype).encode()), len(shape), *shape, *([0] * (_MAX_DIMS - len(shape)))],
+        dtype=torch.int64,
+        device=device,
+    )
+    gathered = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, meta, group=group)
+    rows = [tuple(int(x) for x in g.tolist()) for g in gathered]
+    if len(set(rows)) == 1:
+        return
+    described = {}
+    for rank, row in enumerate(rows):
+        dims = row[2 : 2 + row[1]]
+        described[rank] = f"shape {list(dims)}" + ("" if row[0] == rows[0][0] else " (another dtype than rank 0's)")
+    lines = [
+        f"`all_gather` at {site or 'an unknown site'}: the ranks passed tensors of different shapes or dtypes, "
+        "which the backend cannot gather (gloo aborts the process):",
+        *_grouped(described),
+        "Every rank must gather a tensor of the same shape and dtype: pad to a common shape (gather the sizes "
+        "first), or use `trainer.strategy.all_gather_object` / torchmetrics' `gather_all_tensors` for uneven shapes.",
+    ]
+    raise CollectiveMismatchError("\n".join(lines), name="all_gather", missing_ranks=[], reason="shapes")

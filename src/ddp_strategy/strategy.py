@@ -53,8 +53,14 @@ from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
-from .desync import TRACE_ENTRIES, CallLedger, CallNotes, DesyncMonitor, LogSites
-from .errors import CheckpointMismatchError, CheckpointWriteError, DDPStrategyError, UnevenInputsError
+from .desync import TRACE_ENTRIES, CallLedger, CallNotes, DesyncMonitor, LogSites, check_gather_shapes
+from .errors import (
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    CollectiveMismatchError,
+    DDPStrategyError,
+    UnevenInputsError,
+)
 from .evaluation.coordinator import ExactEvaluation, sync_buffers_before_evaluation
 from .fork_safety import fork_hazard, pin_collective_threads
 from .handshake import (
@@ -540,7 +546,13 @@ class SafeDDPStrategy(DDPStrategy):
             return
         self._failed = True
         if self._control is not None and exception is self._control.desync_error:
-            super().on_exception(exception)  # every rank reached this verdict itself: nothing to publish or diagnose
+            # every rank reached this verdict itself: nothing to publish or diagnose; rank 0 shows it first
+            if self._desync is not None:
+                if self.global_rank == 0:
+                    self._desync.rank0_stopping()
+                else:
+                    self._desync.await_rank0()
+            super().on_exception(exception)
             return
         if self._control is not None:
             self._control.note_failure(exception)
@@ -553,12 +565,46 @@ class SafeDDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._log_sites.uninstall()
         self._finish_async_writes()
+        diverged: CollectiveMismatchError | None = None
         if self._control is not None:
+            try:
+                self._compare_strategy_calls()
+            except CollectiveMismatchError as err:
+                diverged, self._failed = err, True
             # After a failure other ranks may never reach a closing barrier: only close collectively on success.
-            self._control.close(graceful=not self._failed)
-            self._control = None
-            self._desync = None
+            try:
+                self._control.close(graceful=not self._failed)
+            finally:
+                self._control = None
+                self._desync = None
         super().teardown()
+        if diverged is not None:
+            raise diverged
+
+    def _compare_strategy_calls(self) -> None:
+        """At the end of a stage: every rank made the same strategy collectives, or all raise the same error.
+
+        The heartbeat compares them during the run; a short run may end before it looks. One small gather.
+        """
+        control, monitor = self._control, self._desync
+        if control is None or monitor is None or self._failed:
+            return
+        states = control.all_gather_object(self._call_ledger.state, name="strategy-calls")
+        if len(set(states)) == 1:
+            return
+        error = monitor.inquire()
+        if error is None:
+            counts = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(states))
+            error = CollectiveMismatchError(
+                f"The ranks made different collectives through the strategy in this run ({counts} calls; the lists "
+                "differ), too long ago to name the first one. Look for `self.log(..., sync_dist=True)`, "
+                "`self.all_gather` or `strategy.broadcast` in a rank-dependent branch, or metric names that differ "
+                "between ranks.",
+                name="strategy-calls",
+                missing_ranks=[],
+                reason="desync",
+            )
+        raise error
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -616,6 +662,8 @@ class SafeDDPStrategy(DDPStrategy):
         self._call_ledger.add(
             f"all_gather {tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, Tensor) else "all_gather"
         )
+        if isinstance(tensor, Tensor):
+            check_gather_shapes(tensor, group=group, device=self.root_device, site=call_site(skip=2))
         note = self._call_notes.begin("self.all_gather / strategy.all_gather")
         try:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)

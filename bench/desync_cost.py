@@ -115,8 +115,21 @@ def run_job(variant: str, args: argparse.Namespace, tmp: Path, index: int) -> fl
     return float(json.loads(out.read_text())["median_step_s"])
 
 
+def resolved(result: dict[str, Any], a: str, b: str) -> bool:
+    """Whether the medians of ``a`` and ``b`` differ by more than the larger spread of their per-repeat medians."""
+    v = result["variants"]
+    spread = max(max(v[n]["runs_s"]) - min(v[n]["runs_s"]) for n in (a, b))
+    return abs(v[a]["median_s"] - v[b]["median_s"]) > spread
+
+
 def markdown(result: dict[str, Any]) -> str:
     v = result["variants"]
+
+    def verdict(value: float, a: str, b: str) -> str:
+        if resolved(result, a, b):
+            return f"**{value:.1f} us**"
+        return f"{value:.1f} us: within the between-job noise (the medians differ by less than the spread)"
+
     lines = [
         "| variant | median step (ms) | per-repeat medians (ms) |",
         "|---|---|---|",
@@ -128,10 +141,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['logs']} `self.log(..., sync_dist=True)` calls per step, {COLLECTIVES_PER_LOG} collectives each, "
         "2 CPU ranks (gloo).",
         "",
-        f"- added per `self.log(..., sync_dist=True)` call (safe - safe_off): **{result['added_per_log_us']:.1f} us**, "
-        f"per collective **{result['added_per_collective_us']:.1f} us**",
-        f"- the Flight Recorder's recording alone, per collective (stock_traced - stock): "
-        f"{result['recording_per_collective_us']:.1f} us",
+        "- added per `self.log(..., sync_dist=True)` call (safe - safe_off): "
+        + verdict(result["added_per_log_us"], "safe", "safe_off"),
+        "- the Flight Recorder's recording alone, per collective (stock_traced - stock): "
+        + verdict(result["recording_per_collective_us"], "stock_traced", "stock"),
         f"- safe / stock step time: {result['safe_over_stock']:.3f}",
     ]
     return "\n".join(lines) + "\n"

@@ -40,11 +40,10 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from run import MLP, MLP_SHAPE  # noqa: E402
+from run import MLP, MLP_SHAPE, SyncedCIFAR10Classifier  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
-from examples.cifar10.model import CIFAR10Classifier  # noqa: E402
 
 WARMUP = 5
 BATCH = {"mlp": 8, "cifar": 16}  # per rank, as in bench/suite.py
@@ -174,7 +173,7 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         model = MLP()
         data = TensorDataset(torch.randn(BATCH["mlp"] * devices * (WARMUP + steps + 1), MLP_SHAPE[0]))
     else:
-        model = CIFAR10Classifier()
+        model = SyncedCIFAR10Classifier()  # the suite's workload: one sync_dist value logged per step
         count = BATCH["cifar"] * devices * (WARMUP + steps + 1)
         data = TensorDataset(torch.randn(count, 3, 32, 32), torch.randint(0, 10, (count,)))
     counters = Counters()
@@ -185,7 +184,8 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
             default_root_dir=root,
             accelerator="cpu",
             devices=devices,
-            strategy=SafeDDPStrategy(),
+            # DDP_STRATEGY_BENCH_NO_DESYNC=1: the same without desync detection, for a side-by-side figure
+            strategy=SafeDDPStrategy(desync_detection=os.environ.get("DDP_STRATEGY_BENCH_NO_DESYNC") != "1"),
             max_epochs=1,  # one epoch of WARMUP + steps + 1 steps: the epoch-end check runs once, after the window
             callbacks=[window],
             logger=False,

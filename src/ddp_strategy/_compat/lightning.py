@@ -599,8 +599,11 @@ def logged_metric_of_caller(depth: int = 8) -> tuple[str, str] | None:
     for _ in range(depth):
         if frame is None:
             return None
-        owner: Any = frame.f_locals.get("self")
-        if type(owner).__name__ == "_ResultMetric":
-            return str(owner.meta.fx), str(owner.meta.name)
+        code = frame.f_code
+        # only `_ResultMetric.update`/`compute` in Lightning's result.py: reading other frames' locals costs
+        if code.co_name in ("update", "compute") and code.co_filename.endswith("result.py"):
+            owner: Any = frame.f_locals.get("self")
+            if type(owner).__name__ == "_ResultMetric":
+                return str(owner.meta.fx), str(owner.meta.name)
         frame = frame.f_back
     return None

@@ -35,7 +35,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._compat.lightning import current_hook_name
@@ -302,7 +302,6 @@ class RankReport:
         calls: its newest collective calls, per group at most :data:`REPORT_CALLS`, oldest first.
         waiting: what its training thread waits in (see :attr:`~ddp_strategy.positions.Position.waiting`).
         waiting_since: since when.
-        status: per group id, the numbers of its last enqueued and last completed collective.
         epoch: the training epoch of its last training batch (``None`` outside training).
         epoch_batch: the batches of that epoch it started.
         barrier_site: the call site of the barrier it waits in, if any.
@@ -315,7 +314,6 @@ class RankReport:
     calls: tuple[CollectiveCall, ...]
     waiting: str
     waiting_since: float
-    status: dict[str, tuple[int, int]] = field(default_factory=dict)
     epoch: int | None = None
     epoch_batch: int | None = None
     barrier_site: str = ""
@@ -334,7 +332,6 @@ class RankReport:
         data = json.loads(text)
         data["calls"] = tuple(CollectiveCall.from_dict(c) for c in data["calls"])
         data["ledger"] = tuple((int(n), str(w)) for n, w in data.get("ledger", ()))
-        data["status"] = {g: (int(v[0]), int(v[1])) for g, v in data["status"].items()}
         return cls(**data)
 
     def pending(self) -> CollectiveCall | None:
@@ -647,7 +644,6 @@ class DesyncMonitor:
             calls=tuple(newest),
             waiting=what,
             waiting_since=since,
-            status=collective_status(),
             epoch=epoch,
             epoch_batch=epoch_batch,
             barrier_site=barrier_site,

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from types import FrameType
 
 __all__ = ["Position", "call_site", "format_ranks", "is_user_path", "short_path"]
@@ -105,10 +105,6 @@ class Position:
         if self.heartbeat:
             text += f", last heartbeat {max(0.0, now - self.heartbeat):.1f} s ago"
         return text + ")"
-
-    def with_heartbeat(self, when: float) -> Position:
-        """A copy of this position with the heartbeat time set to ``when``."""
-        return replace(self, heartbeat=when)
 
     def to_json(self) -> str:
         """Serialise for the rendezvous store."""

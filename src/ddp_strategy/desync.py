@@ -531,6 +531,15 @@ def _uneven(reports: Mapping[int, RankReport]) -> tuple[str, list[float]] | None
     return text, [float(reached[r]) for r in sorted(reached)]
 
 
+_TORCH_DIR = f"{os.sep}torch{os.sep}"
+
+
+def _training_thread_in_torch() -> bool:
+    """Whether the main thread's innermost Python frame is torch's own code (where it blocks in a collective)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return frame is not None and _TORCH_DIR in frame.f_code.co_filename
+
+
 class DesyncMonitor:
     """Watches one rank's collectives on its heartbeat thread and takes part in inquiries; see the module docs.
 
@@ -574,7 +583,9 @@ class DesyncMonitor:
         if barrier is not None:
             return barrier
         pending = [(group, enq) for group, (enq, done) in sorted(collective_status().items()) if enq > done]
-        what = f"collective {pending[0][0]}#{pending[0][1]}" if pending else ""
+        # a pending collective counts only while the training thread is inside torch's code (a collective's wait,
+        # backward, DDP's forward): an asynchronous one stays pending while the thread runs the user's code
+        what = f"collective {pending[0][0]}#{pending[0][1]}" if pending and _training_thread_in_torch() else ""
         if what and what == self._wait[0]:
             return self._wait
         return (what, now) if what else ("", 0.0)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,12 @@ class Run:
     timed_out: bool
     orphans: bool
     result: dict[str, Any] | None
+    stopped: bool = False  # ended by run_script_until's ``stop`` while still running
 
     def describe(self) -> str:
         return (
             f"returncode={self.returncode} timed_out={self.timed_out} orphans={self.orphans} "
-            f"seconds={self.seconds:.1f}\n--- output (tail) ---\n{self.output[-6000:]}"
+            f"stopped={self.stopped} seconds={self.seconds:.1f}\n--- output (tail) ---\n{self.output[-6000:]}"
         )
 
 
@@ -112,6 +114,64 @@ def run_script(
         proc.wait()
     result = json.loads(out.read_text()) if out is not None and out.exists() else None
     return Run(proc.returncode, output, seconds, timed_out, orphans, result)
+
+
+def run_script_until(
+    args: list[str], *, timeout: float, stop: Callable[[str, float], bool], env: dict[str, str] | None = None
+) -> Run:
+    """:func:`run_script` reading the output as it comes, ended early (``stopped=True``) once ``stop`` says so.
+
+    ``stop(output, idle)`` gets the output so far and the seconds since its last line; it is asked every 0.2 s while
+    the script runs. A stopped run's process group is killed while still running (its returncode is -SIGKILL). The
+    hard timeout, the group kill in every exit path and the orphan check are :func:`run_script`'s.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("LOCAL_RANK", None)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    lines: list[str] = []
+    last_line = [start]
+
+    def read() -> None:  # until EOF: every process of the group holding the pipe has ended
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            last_line[0] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = stopped = False
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            timed_out = now - start > timeout
+            stopped = not timed_out and stop("".join(lines), now - last_line[0])
+            if timed_out or stopped:
+                kill_group(proc.pid)
+                break
+            time.sleep(0.2)
+        proc.wait()
+        reader.join(timeout=10)
+        seconds = time.monotonic() - start
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = _group_alive(proc.pid)
+    finally:
+        kill_group(proc.pid)
+        reader.join(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        proc.wait()
+    return Run(proc.returncode, "".join(lines), seconds, timed_out, orphans, None, stopped)
 
 
 def run_scenario(

@@ -1,21 +1,33 @@
 """Collective desync detection: a collective only some ranks reach, or uneven data, is named on every rank in seconds.
 
 Each case runs ``tests/scripts/desync.py``, a user's LightningModule with the mistake at a line marked
-``USER-LINE <case>``, on 2 CPU ranks with ``SafeDDPStrategy()`` and its defaults. Asserted: the error type on every
-rank, the user's line in the message, the time from the divergence (the script prints it) to the last rank's exit,
-a non-zero exit and no process left behind. The correct-but-slow case must finish without any alarm, and stock
-Lightning is shown to hang on the same script.
+``USER-LINE <case>``, on 2 CPU ranks with ``SafeDDPStrategy()`` and its defaults (in fit, validation, test or
+predict). Asserted: the error type on every rank, the user's line in the message, the time from the divergence (the
+script prints it) to the last rank's exit, a non-zero exit and no process left behind; also under torchrun, with the
+spawn launcher and on 2 GPUs (NCCL). The correct-but-slow case must finish without any alarm, and stock Lightning's
+own symptom on every case (a silent hang, silently mixed values, an unnamed crash) is asserted on the same script.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ddp_strategy.desync import CallLedger, CallNotes, CollectiveCall, RankReport, calls_from_trace, find_divergence
+from ddp_strategy.desync import (
+    CallLedger,
+    CallNotes,
+    CollectiveCall,
+    RankReport,
+    calls_from_trace,
+    find_divergence,
+    stale_waits,
+)
 from ddp_strategy.errors import CollectiveMismatchError, UnevenInputsError
-from tests.proc import SCRIPTS, run_script
+from tests.proc import SCRIPTS, Run, run_script, run_script_until, stock_fit_finished
 
 SCRIPT = SCRIPTS / "desync.py"
 SOURCE = SCRIPT.read_text().splitlines()
@@ -43,8 +55,51 @@ CASES = {
     "metric-compute-on-rank-zero": ("CollectiveMismatchError", "torchmetrics"),
     "all-gather-shapes": ("CollectiveMismatchError", "the ranks passed tensors of different shapes"),
     "validation-rank-zero": ("CollectiveMismatchError", "self.log('val_x', sync_dist=True) in on_validation_epoch_end"),
+    "validation-step-rank-zero": ("CollectiveMismatchError", "Lightning's all_gather"),
+    "test-rank-zero": ("CollectiveMismatchError", "self.log('test_x', sync_dist=True) in on_test_epoch_end"),
+    "predict-rank-zero": ("CollectiveMismatchError", "Lightning's all_gather"),
     "uneven-iterable": ("UnevenInputsError", "rank(s) 1 ran out of training batches while rank(s) 0 still had one"),
 }
+
+#: where rank 1 waits when rank 0 is in its rank-0-only collective of an evaluation: one of the strategy's barriers
+#: (exact evaluation's at the end of the loop, the teardown's after predict), so the message names a barrier
+STRATEGY_BARRIER = {
+    "validation-rank-zero": "exact-eval:logged-keys",
+    "validation-step-rank-zero": "exact-eval:batches-run",
+    "test-rank-zero": "exact-eval:logged-keys",
+    "predict-rank-zero": "strategy-calls",
+}
+STAGE_DONE = re.compile(r"rank=\d (fit|test|predict)-done")
+
+
+def assert_named_on_every_rank(run: Run, case: str, *, within: float, details: bool = True) -> None:
+    """The case's named error on both ranks, naming the user's line, every rank gone ``within`` s of the divergence.
+
+    ``details``: also the backend-specific parts of the message (which call differs, where rank 1 waits), as on gloo.
+    """
+    assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
+    error, what = CASES[case]
+    for rank in (0, 1):  # each rank printed the error: raised, or printed before the blocked rank's exit
+        assert re.search(rf"\[rank{rank}\]: (ddp_strategy\.errors\.)?{error}: ", run.output), run.describe()
+    assert what in run.output, run.describe()
+    if case != "uneven-iterable":
+        assert f"{user_line(case)} in " in run.output, run.describe()
+    ended = exits_at(run.output)
+    assert ended, run.describe()  # the rank that raised reached the script's end (the other one may os._exit)
+    assert max(ended) - diverged_at(run.output) <= within, run.describe()
+    assert not STAGE_DONE.search(run.output), run.describe()
+    if not details:
+        return
+    if case == "all-gather-shapes":
+        assert "rank 0: shape [1]" in run.output and "rank 1: shape [2]" in run.output, run.describe()
+    elif case in STRATEGY_BARRIER:
+        barrier = f"Rank(s) 1 wait at barrier '{STRATEGY_BARRIER[case]}'"
+        assert barrier in run.output and "but rank(s) 0 never arrived" in run.output, run.describe()
+    elif case != "uneven-iterable":
+        assert "is the first that differs" in run.output, run.describe()
+    else:
+        assert "rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)" in run.output, run.describe()
+        assert "rank 1: waits in the strategy's barrier 'weight-sync" in run.output, run.describe()
 
 
 @pytest.mark.multiprocess
@@ -53,26 +108,7 @@ CASES = {
 )
 def test_a_rank_dependent_collective_is_named_on_every_rank_within_seconds(case: str):
     run = run_script([str(SCRIPT), case], timeout=150)
-    assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
-    error, what = CASES[case]
-    for rank in (0, 1):  # each rank printed the error: raised, or printed before the blocked rank's exit
-        assert re.search(rf"\[rank{rank}\]: (ddp_strategy\.errors\.)?{error}: ", run.output), run.describe()
-    assert what in run.output, run.describe()
-    if case != "uneven-iterable":
-        assert f"{user_line(case)} in " in run.output, run.describe()
-    if case == "all-gather-shapes":
-        assert "rank 0: shape [1]" in run.output and "rank 1: shape [2]" in run.output, run.describe()
-    elif case == "validation-rank-zero":  # rank 1 went on to the strategy's barrier after validation
-        assert "wait at barrier 'exact-eval:logged-keys'" in run.output, run.describe()
-    elif case != "uneven-iterable":
-        assert "is the first that differs" in run.output, run.describe()
-    else:
-        assert "rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)" in run.output, run.describe()
-        assert "rank 1: waits in the strategy's barrier 'weight-sync" in run.output, run.describe()
-    ended = exits_at(run.output)
-    assert ended, run.describe()  # the rank that raised reached the script's end (the other one may os._exit)
-    assert max(ended) - diverged_at(run.output) <= 12.0, run.describe()  # 10 s named + teardown on a loaded CI
-    assert "fit-done" not in run.output
+    assert_named_on_every_rank(run, case, within=12.0)  # 10 s named + teardown on a loaded CI
 
 
 @pytest.mark.multiprocess
@@ -88,17 +124,147 @@ def test_a_rank_dependent_sync_is_named_on_every_rank_under_torchrun():
 
 
 @pytest.mark.multiprocess
+def test_a_rank_dependent_sync_is_named_on_every_rank_with_the_spawn_launcher():
+    """``SafeDDPStrategy(start_method="spawn")``: the ranks are the main process's children (they import the script
+    anew); each prints the named error, and the main process (which prints ``exits-at``) exits with 1."""
+    run = run_script([str(SCRIPT), "log-in-rank-zero-branch", "--launcher", "spawn"], timeout=150)
+    assert_named_on_every_rank(run, "log-in-rank-zero-branch", within=12.0)
+    assert run.returncode == 1, run.describe()
+    assert f"{user_line('log-in-rank-zero-branch')} in on_train_epoch_end" in run.output, run.describe()
+
+
+@pytest.mark.gpu(devices=2)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["log-in-rank-zero-branch", "uneven-iterable"])
+def test_a_rank_dependent_collective_is_named_on_every_rank_over_nccl(case: str):
+    """The same mistakes on 2 GPUs: the data plane is NCCL (whose collectives run asynchronously on the device), the
+    strategy's control plane stays on gloo. NCCL's abort path is slower to tear down: a looser time bound."""
+    run = run_script([str(SCRIPT), case, "--accelerator", "gpu"], timeout=240)
+    assert "distributed_backend=nccl" in run.output, run.describe()
+    assert_named_on_every_rank(run, case, within=30.0, details=False)
+
+
+@pytest.mark.multiprocess
 def test_a_slow_rank_is_no_desync():
     run = run_script([str(SCRIPT), "slow-rank-zero"], timeout=150)
     assert run.returncode == 0 and not run.timed_out and not run.orphans, run.describe()
     assert run.output.count("fit-done") == 2 and "CollectiveMismatchError" not in run.output, run.describe()
 
 
+#: a stock run silent this long after its divergence (and still running) is a hang; gloo's own timeout is 30 min
+STOCK_SILENCE = 15.0
+GLOO_PEER_GONE = re.compile(
+    r"RuntimeError: \[[^\]]*gloo[^\]]*\] (Connection closed by peer|Read error .*Connection reset)"
+)
+
+
+def stock_hang(run: Run) -> None:
+    """Rank 0 took the branch and waits in its collective, rank 1 in the next one: no output, no error, nobody
+    returns or exits, STOCK_SILENCE s after the divergence (the run was stopped, its group killed)."""
+    assert run.stopped and run.returncode == -signal.SIGKILL, "not still running after the divergence"
+    assert re.findall(r"rank=(\d) diverged-at=", run.output) == ["0"], "rank 0 alone took the branch"
+    after = run.output.split("diverged-at=", 1)[1]
+    for text in ("Error", "Traceback", "exits-at=", "-done"):
+        assert text not in after, f"{text!r} after the divergence"
+
+
+def stock_mixes_values(run: Run) -> None:
+    """differing-keys: the backend pairs rank 0's ``loss_rank0`` with rank 1's ``loss_rank1``; fit returns on both
+    ranks, no error, and each rank's logged value is the mean of both ranks' different metrics."""
+    assert stock_fit_finished(run) and not run.stopped, "fit did not finish"
+    assert "rank=0 fit-done" in run.output and "rank=1 fit-done" in run.output
+    assert "Error" not in run.output and "Traceback" not in run.output
+    values = {int(r): (float(synced), float(own)) for r, synced, own in LOGGED.findall(run.output)}
+    (synced0, own0), (synced1, own1) = values[0], values[1]
+    assert own0 != own1 and synced0 == pytest.approx(synced1, abs=2e-6), values
+    assert synced0 == pytest.approx((own0 + own1) / 2, abs=2e-6), values
+
+
+LOGGED = re.compile(r"rank=(\d) loss_rank\1=([-\d.]+) own=([-\d.]+)")
+
+
+def stock_peer_gone(stage: str, case: str | None = None, *, in_traceback: bool = True) -> Callable[[Run], None]:
+    """Rank 1 returns from ``stage`` as if all went well and exits; rank 0, still waiting in its collective, fails
+    with gloo's unnamed "the peer went away" RuntimeError. Its traceback shows the ``case``'s user line when the
+    collective ran there (``in_traceback``), not when Lightning deferred it (``self.log`` in an epoch-end hook is
+    reduced later, by the loop)."""
+
+    def check(run: Run) -> None:
+        assert not run.stopped and not run.timed_out
+        # rank 0 is the launcher's process: its exit code (an abort at interpreter exit happens, see stock_fit_finished)
+        aborted_at_exit = "terminate called without an active exception" in run.output
+        assert run.returncode == 1 or (run.returncode == -signal.SIGABRT and aborted_at_exit), "rank 0's exit"
+        assert f"rank=1 {stage}-done" in run.output and f"rank=0 {stage}-done" not in run.output
+        assert re.search(rf"\[rank0\]: {GLOO_PEER_GONE.pattern}", run.output), "rank 0's gloo error"
+        assert "[rank1]:" not in run.output, "rank 1 reported an error"
+        if case is not None:
+            line = f'desync.py", line {user_line(case).split(":")[1]}, in '
+            assert (line in run.output) == in_traceback, f"the user's line in rank 0's traceback: {not in_traceback}"
+        assert "CollectiveMismatchError" not in run.output and "UnevenInputsError" not in run.output
+
+    return check
+
+
+def stock_gloo_abort(run: Run) -> None:
+    """all-gather-shapes: gloo aborts rank 0 (the launcher's process: SIGABRT) on the size mismatch, with its own
+    hint; rank 1 then fails with an unnamed RuntimeError (the peer went away)."""
+    assert not run.stopped and run.returncode == -signal.SIGABRT
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in run.output
+    assert "Received data size doesn't match expected size" in run.output
+    assert re.search(rf"\[rank1\]: {GLOO_PEER_GONE.pattern}", run.output), "rank 1's gloo error"
+    assert "[rank0]:" not in run.output and "rank=0 exits-at" not in run.output  # rank 0 died in the abort
+    assert not STAGE_DONE.search(run.output) and "CollectiveMismatchError" not in run.output
+
+
+def stock_silent_completion(run: Run) -> None:
+    """silent-pairing-at-end: each rank all-reduced another tensor; gloo paired them, fit returns on both ranks."""
+    assert stock_fit_finished(run) and not run.stopped, "fit did not finish"
+    assert "rank=0 fit-done" in run.output and "rank=1 fit-done" in run.output
+    assert "Error" not in run.output and "Traceback" not in run.output
+
+
+STOCK_SYMPTOMS: dict[str, Callable[[Run], None]] = {
+    "log-in-rank-zero-branch": stock_hang,
+    "broadcast-on-rank-zero": stock_hang,
+    "all-gather-on-rank-zero": stock_hang,
+    "metric-compute-on-rank-zero": stock_hang,
+    "validation-rank-zero": stock_hang,
+    "validation-step-rank-zero": stock_hang,
+    "differing-keys": stock_mixes_values,
+    "all-gather-shapes": stock_gloo_abort,
+    "uneven-iterable": stock_peer_gone("fit"),  # rank 1's 12 steps paired with rank 0's first 12; no user line
+    "test-rank-zero": stock_peer_gone("test", "test-rank-zero", in_traceback=False),
+    "predict-rank-zero": stock_peer_gone("predict", "predict-rank-zero"),
+    "silent-pairing-at-end": stock_silent_completion,
+}
+
+
+def run_stock(case: str) -> Run:
+    def hung(output: str, idle: float) -> bool:
+        return "diverged-at=" in output and idle >= STOCK_SILENCE
+
+    return run_script_until([str(SCRIPT), case, "--strategy", "ddp"], timeout=120, stop=hung)
+
+
 @pytest.mark.multiprocess
-def test_stock_lightning_hangs_silently_on_the_same_script():
-    run = run_script([str(SCRIPT), "log-in-rank-zero-branch", "--strategy", "ddp"], timeout=45)
-    assert run.timed_out and "fit-done" not in run.output, run.describe()
-    assert "Error" not in run.output.split("diverged-at=")[-1], run.describe()  # nothing named: a silent hang
+def test_stock_lightning_on_every_scenario():
+    """Stock ``DDPStrategy`` on every case of the same script, each run stopped once its symptom is clear: each
+    case's own symptom, none of them a named error.
+
+    The runs overlap: the hangs start first (9 at a time, 18 processes), so the other runs start while they sleep
+    through STOCK_SILENCE; the start-up (imports, ~4 s of CPU per rank) is most of the time. 45-75 s here.
+    """
+    assert STOCK_SYMPTOMS.keys() == {*CASES, "silent-pairing-at-end"}
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        runs = dict(zip(STOCK_SYMPTOMS, pool.map(run_stock, STOCK_SYMPTOMS), strict=True))
+    failures = []
+    for case, run in runs.items():
+        assert not run.orphans and not run.timed_out, f"{case}: {run.describe()}"
+        try:
+            STOCK_SYMPTOMS[case](run)
+        except AssertionError as err:
+            failures.append(f"{case}: {err}\n{run.describe()}")
+    assert not failures, "\n\n".join(failures)
 
 
 def call(seq: int, op: str = "all_reduce", shape: tuple[int, ...] = (), site: str = "", what: str = "", done=True):
@@ -190,3 +356,53 @@ def test_recorder_entries_become_calls_with_the_user_frame_and_the_strategys_not
     assert called.what == "self.log('x', sync_dist=True) in on_train_epoch_end"
     (outside,) = calls_from_trace([{**entry, "time_created_ns": note[1] + 1}], notes)
     assert outside.what == ""  # not inside the note, no library frame
+
+
+def test_a_rank_pending_in_a_call_another_rank_is_past_is_not_stuck():
+    # rank 0 runs user code (torch.save of a large checkpoint) with DDP's asynchronous buffer broadcast #37 still
+    # pending in the recorder; rank 1 completed #37 and waits in #38: slow, not diverged
+    reports = {
+        0: RankReport(0, (call(36), call(37, "broadcast", (4,), done=False)), "collective 0#37", 1.0),
+        1: RankReport(1, (call(36), call(37, "broadcast", (4,)), call(38, done=False)), "collective 0#38", 1.0),
+    }
+    assert find_divergence(reports) is None
+    assert stale_waits({0: "collective 0#37", 1: "collective 0#38"}) == {0}
+    assert stale_waits({0: "collective 0#37", 1: "collective 1#3"}) == set()  # other groups: both may be blocked
+    assert stale_waits({0: "collective 0#5", 1: "collective 0#5", 2: "barrier 4 'save'"}) == set()
+    assert stale_waits({0: "collective 0#5"}, {1: {("0", 5)}}) == {0}
+
+
+def test_every_rank_blocked_in_different_groups_is_still_a_divergence():
+    reports = {
+        0: RankReport(0, (call(5, done=False),), "collective 0#5", 1.0),
+        1: RankReport(1, (call(4),), "barrier 2 'save'", 1.0),
+    }
+    error = find_divergence(reports)
+    assert isinstance(error, CollectiveMismatchError)
+    assert "Rank(s) 1 wait at barrier 'save'" in str(error)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["silent-pairing", "silent-pairing-at-end"])
+def test_calls_the_backend_pairs_silently_are_named_while_the_ranks_run_or_at_the_end(case: str):
+    """Each rank all-reduces a tensor of one shape at its own line: gloo pairs them, nothing waits, values mix.
+
+    ``silent-pairing``: the ranks run on for seconds and the heartbeat's audit names it; ``-at-end``: fit ends right
+    after, and the comparison at the stage's end names it.
+    """
+    run = run_script([str(SCRIPT), case], timeout=150)
+    assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\]: (ddp_strategy\.errors\.)?CollectiveMismatchError: ", run.output), (
+            run.describe()
+        )
+    assert "of the default process group is the first that differs" in run.output, run.describe()
+    rank0, rank1 = user_line("silent-pairing-rank0"), user_line("silent-pairing-rank1")
+    assert f"rank 0: all_reduce of Float[1] at tests/scripts/{rank0} in on_train_epoch_end" in run.output, (
+        run.describe()
+    )
+    assert f"rank 1: all_reduce of Float[1] at tests/scripts/{rank1} in on_train_epoch_end" in run.output, (
+        run.describe()
+    )
+    assert max(exits_at(run.output)) - diverged_at(run.output) <= 12.0, run.describe()
+    assert "fit-done" not in run.output, run.describe()

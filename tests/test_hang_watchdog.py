@@ -261,3 +261,119 @@ def test_summary_calls_a_rank_without_report_but_with_a_recent_heartbeat_alive_n
     assert "rank 1: alive, no report (its watchdog is off: it has left the training loop); barrier 'teardown'" in text
     assert "rank 1: alive but outside the training loop (see above) while rank 0 waits in it" in text
     assert "gone" not in text and "NO REPORT" not in text
+
+
+# ---------------------------------------------------------------------- issue 15: uneven inputs, watchdog only
+LIGHTNING = os.sep + os.path.join("venv", "lib", "lightning", "pytorch")
+
+
+def test_locate_names_lightnings_per_batch_broadcast_from_the_innermost_user_frame():
+    stack = [
+        (f"{TORCH}{os.sep}distributed{os.sep}distributed_c10d.py", 3787, "broadcast"),
+        (f"{TORCH}{os.sep}distributed{os.sep}c10d_logger.py", 83, "wrapper"),
+        (f"{LIGHTNING}{os.sep}loops{os.sep}training_epoch_loop.py", 265, "_broadcast_sigterm_tensor"),
+        (f"{LIGHTNING}{os.sep}loops{os.sep}training_epoch_loop.py", 300, "advance"),
+        ("/home/u/train.py", 80, "fit_model"),
+        ("/home/u/train.py", 95, "main"),
+    ]
+    state, where = hw.locate(stack, None)
+    assert (state, where) == (
+        "waiting",
+        "collective torch.distributed.broadcast (Lightning's per-batch _broadcast_sigterm_tensor, before the next "
+        "training batch) from /home/u/train.py:80 in fit_model",
+    )
+
+
+def test_locate_names_the_innermost_user_frame_not_the_fit_line():
+    # manual optimization: the user's training_step calls manual_backward; trainer.fit (line 90) is further out
+    stack = [
+        (f"{TORCH}{os.sep}autograd{os.sep}graph.py", 829, "_engine_run_backward"),
+        (f"{TORCH}{os.sep}_tensor.py", 625, "backward"),
+        (f"{LIGHTNING}{os.sep}core{os.sep}module.py", 1101, "manual_backward"),
+        ("/home/u/train.py", 31, "training_step"),
+        (f"{LIGHTNING}{os.sep}loops{os.sep}optimization{os.sep}manual.py", 130, "advance"),
+        ("/home/u/train.py", 90, "main"),
+    ]
+    assert hw.locate(stack, None) == (
+        "waiting",
+        "backward pass: DDP's gradient all-reduce from /home/u/train.py:31 in training_step",
+    )
+
+
+def uneven_report(rank: int, state: str, where: str, batches: int, *, per_batch: bool) -> dict[str, Any]:
+    return {**report(rank, state, where, step=6), "epoch": 0, "batches": batches, "per_batch": per_batch}
+
+
+def test_summary_names_uneven_inputs_instead_of_a_rank_dependent_branch():
+    reports = {
+        0: uneven_report(0, "waiting", "collective torch.distributed.broadcast (...)", 7, per_batch=True),
+        1: uneven_report(1, "waiting", "barrier 'weight-sync:step-6' at t.py:9 in main", 6, per_batch=False),
+    }
+    text = hw.summarize(reports, {}, 2, trigger="t", exit_code=124, now=100.0)
+    assert "rank 1: ran out of training batches while rank 0 still had one (uneven inputs" in text
+    assert "so rank 0 waits in a per-batch collective no other rank enters" in text
+    assert "Batches started per rank in its epoch: rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)." in text
+    assert "no majority" not in text and "gone" not in text
+
+
+def test_summary_names_uneven_inputs_when_the_rank_that_ran_out_left_the_training_loop():
+    reports = {0: uneven_report(0, "waiting", "backward pass: DDP's gradient all-reduce", 7, per_batch=True)}
+    left = Position(kind="barrier", name="teardown", since=90.0, heartbeat=99.5, epoch=0, epoch_batch=6)
+    text = hw.summarize(reports, {1: left}, 2, trigger="t", exit_code=124, now=100.0, stale_after=3.0)
+    assert "rank 1: ran out of training batches while rank 0 still had one" in text
+    assert "rank 1: alive but outside the training loop (see above) while rank 0 waits in it" in text
+    assert "gone" not in text and "NO REPORT" not in text
+
+
+def test_summary_no_uneven_verdict_when_the_ranks_started_as_many_batches():
+    # rank 1 is stuck in its own code in the batch rank 0 waits in: not uneven inputs
+    reports = {
+        0: uneven_report(0, "waiting", "backward pass: DDP's gradient all-reduce", 3, per_batch=True),
+        1: uneven_report(1, "running", "its own code at t.py:9 in training_step", 3, per_batch=False),
+    }
+    text = hw.summarize(reports, {}, 2, trigger="t", exit_code=124, now=100.0)
+    assert "uneven" not in text
+    assert "rank 1: running its own code (not in any collective) while rank 0 waits for it" in text
+
+
+UNEVEN_SCRIPT = SCRIPTS / "uneven_watchdog.py"
+FIT_LINE = next(n for n, line in enumerate(UNEVEN_SCRIPT.read_text().splitlines(), 1) if "trainer.fit(" in line)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("weight_check", [True, False], ids=["weight-check", "no-weight-check"])
+def test_uneven_inputs_rank_that_ran_out_is_alive_and_the_other_waits_in_a_collective(tmp_path, weight_check):
+    """Issue 15's report: rank 0 has 8 batches, rank 1 6; the watchdog alone (no desync detection, no count check).
+
+    Rank 0 waits in a C++ collective (Lightning's per-batch broadcast, or DDP's gradient all-reduce before
+    Lightning 2.5) at the innermost user frame; rank 1 ran out of batches and is alive: in the epoch-end weight
+    check (its watchdog still on) or, without it, outside the training loop. It is never called gone nor killed.
+    """
+    dumps = tmp_path / "dumps"
+    args = [str(UNEVEN_SCRIPT), "--timeout", "6", "--grace", "3", "--dump-dir", str(dumps)]
+    run = run_script(args + ([] if weight_check else ["--no-weight-check"]), timeout=120)
+    assert not run.timed_out and not run.orphans, run.describe()
+    assert run.returncode == hw.HANG_EXIT_CODE, run.describe()
+    assert "rank=1 step=6" in run.output and "rank=1 step=7" not in run.output, run.describe()
+    summary = summary_of(run)
+    user = f" from tests/scripts/uneven_watchdog.py:{FIT_LINE} in main;"  # no user code is deeper on the stack
+    waits = (
+        "rank 0: waiting in collective torch.distributed.broadcast (Lightning's per-batch _broadcast_sigterm_tensor",
+        "rank 0: waiting in backward pass: DDP's gradient all-reduce",
+    )
+    line0 = next(line for line in summary.splitlines() if line.startswith("  rank 0: "))
+    assert line0.strip().startswith(waits) and user in line0, summary
+    if weight_check:
+        assert "rank 1: waiting in barrier 'weight-sync:step-6'" in summary, summary
+        assert "last progress: on_train_epoch_end (epoch 0)" in summary
+    else:
+        assert "rank 1: alive, no report (its watchdog is off: it has left the training loop); " in summary, summary
+        assert "rank 1: alive but outside the training loop (see above) while rank 0 waits in it" in summary
+    assert "rank 1: ran out of training batches while rank 0 still had one (uneven inputs" in summary
+    assert "Batches started per rank in its epoch: rank 0: 7 (epoch 0), rank 1: 6 (epoch 0)." in summary
+    for wrong in ("gone", "died", "dead", "NO REPORT", "no majority"):
+        assert wrong not in summary, summary
+    assert "HangWatchdog: killed rank" not in run.output and "unresponsive" not in run.output, run.describe()
+    assert (dumps / "hang-rank0.txt").exists()
+    assert run.seconds < 90, run.describe()

@@ -4,17 +4,22 @@ The script is a user's: Lightning's DistributedSampler turned off and the data s
 and 28 on rank 1 (8 and 7 batches of 4). Stock Lightning trains 7 steps on both ranks, then rank 1 returns from
 ``fit`` while rank 0 is inside step 8's gradient all-reduce, which fails when rank 1's process exits (or, with more
 epochs, silently pairs with rank 1's next epoch).
+
+With ``--shrink-at-epoch 1`` the shards are even in epoch 0 and rank 1's loses a batch when the Trainer reloads
+``train_dataloader`` for epoch 1 (``reload_dataloaders_every_n_epochs=1``): the counts are compared again then.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from ddp_strategy import SafeDDPStrategy, UnevenInputsError
-from ddp_strategy.handshake import RankFacts, check_training_batches
+from ddp_strategy.handshake import RankFacts, check_training_batches, compare_training_batches
 from tests.proc import SCRIPTS, run_script
 
 SCRIPT = str(SCRIPTS / "uneven_inputs.py")
@@ -86,6 +91,92 @@ def test_stock_lightning_runs_uneven_steps_until_rank0_fails_in_step_8(tmp_path:
     assert steps(run.output, 1) == list(range(1, 8)) and "rank=1 fit-done" in run.output, run.describe()
     assert steps(run.output, 0) == list(range(1, 8)) and "rank=0 fit-done" not in run.output, run.describe()
     # rank 0 is inside step 8's backward (DDP's gradient all-reduce) when rank 1, done, exits
+    backward = run.output.rfind("in backward")
+    assert backward != -1 and "Connection closed by peer" in run.output[backward:], run.describe()
+    assert run.returncode != 0
+
+
+def test_counts_after_a_reload_name_the_epoch_and_the_fix():
+    assert compare_training_batches([7.0, 7.0], epoch=3) is None
+    assert compare_training_batches([8.0, float("inf")], epoch=3) is None  # unknown length: not compared
+    message = compare_training_batches([8.0, 7.0], epoch=1)
+    assert message is not None
+    assert message.startswith("Ranks have different numbers of training batches in epoch 1, after the training ")
+    assert "8 on rank(s) 0; 7 on rank(s) 1" in message and "step 8 of epoch 1" in message
+    assert "reload_dataloaders_every_n_epochs" in message and "smallest count of any epoch (7 here)" in message
+    assert compare_training_batches([8.0, 7.0]) == check_training_batches(facts(8, 7))  # the handshake's message
+
+
+class GatherControl:
+    """A control plane of two ranks whose other rank (rank 0) reports ``other`` batches."""
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+        self.gathers: list[str] = []
+
+    def all_gather_object(self, obj: Any, name: str, **_: Any) -> list[Any]:
+        self.gathers.append(name)
+        return [self.other, obj]
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn", None])
+def test_the_epoch_start_compares_only_after_a_reload(mode):
+    strategy = SafeDDPStrategy(uneven_inputs=mode)
+    control = GatherControl(other=8.0)
+    strategy._control = control  # type: ignore[assignment]
+    trainer: Any = SimpleNamespace(current_epoch=1, num_training_batches=7)
+    strategy._check_reloaded_training_batches(trainer)  # no reload since the handshake: no collective
+    assert control.gathers == []
+    strategy._train_loader_reloaded = True
+    if mode == "raise":
+        with pytest.raises(UnevenInputsError, match=r"in epoch 1, .*8 on rank\(s\) 0; 7 on rank\(s\) 1") as caught:
+            strategy._check_reloaded_training_batches(trainer)
+        assert caught.value.batches == (8.0, 7.0) and caught.value.missing_ranks == (1,)
+    elif mode == "warn":
+        with pytest.warns(
+            UserWarning, match="ddp_strategy: Ranks have different numbers of training batches in epoch 1"
+        ):
+            strategy._check_reloaded_training_batches(trainer)
+    else:
+        strategy._check_reloaded_training_batches(trainer)
+    assert control.gathers == ([] if mode is None else ["training-batches:epoch-1"])
+    assert not strategy._train_loader_reloaded  # compared once per reload
+    strategy._check_reloaded_training_batches(trainer)
+    assert len(control.gathers) == (0 if mode is None else 1)
+    strategy._control = None
+
+
+def epoch_steps(output: str, rank: int, epoch: int) -> list[int]:
+    return [int(s) for s in re.findall(rf"rank={rank} step=(\d+) epoch={epoch}", output)]
+
+
+@pytest.mark.multiprocess
+def test_a_shard_that_shrinks_at_a_reload_raises_on_every_rank_before_that_epoch(tmp_path: Path):
+    run = run_script([SCRIPT, "--strategy", "safe_ddp", "--shrink-at-epoch", "1"], timeout=120)
+    assert run.returncode != 0 and not run.timed_out and not run.orphans, run.describe()
+    message = (
+        "UnevenInputsError: Ranks have different numbers of training batches in epoch 1, after the training "
+        "dataloader was reloaded (Trainer(reload_dataloaders_every_n_epochs=...)): 8 on rank(s) 0; 7 on rank(s) 1."
+    )
+    assert run.output.count(message) >= 2, run.describe()  # raised on both ranks
+    for rank in (0, 1):  # epoch 0 ran in full (even shards); no step of epoch 1 ran
+        assert epoch_steps(run.output, rank, 0) == list(range(1, 9)), run.describe()
+        assert epoch_steps(run.output, rank, 1) == [], run.describe()
+    assert "fit-done" not in run.output
+    assert run.seconds < 60, run.describe()
+
+
+@pytest.mark.multiprocess
+def test_stock_lightning_trains_the_shrunken_epoch_until_rank0_fails_in_its_step_8(tmp_path: Path):
+    run = run_script([SCRIPT, "--strategy", "ddp", "--shrink-at-epoch", "1"], timeout=90)
+    assert not run.timed_out and not run.orphans, run.describe()
+    assert "UnevenInputsError" not in run.output
+    for rank in (0, 1):
+        assert epoch_steps(run.output, rank, 0) == list(range(1, 9)), run.describe()
+        assert epoch_steps(run.output, rank, 1) == list(range(1, 8)), run.describe()
+    # rank 1 ran out after 7 batches and returned from fit; rank 0 is inside step 8's backward (DDP's gradient
+    # all-reduce) when rank 1's process exits
+    assert "rank=1 fit-done" in run.output and "rank=0 fit-done" not in run.output, run.describe()
     backward = run.output.rfind("in backward")
     assert backward != -1 and "Connection closed by peer" in run.output[backward:], run.describe()
     assert run.returncode != 0

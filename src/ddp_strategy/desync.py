@@ -26,6 +26,7 @@ which the strategy's launcher replaces by the agreed error (see ``SafeDDPStrateg
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import os
@@ -45,8 +46,10 @@ from .errors import CollectiveMismatchError, UnevenInputsError
 from .positions import call_site, format_ranks, is_user_path, short_path
 
 __all__ = [
+    "AUDIT_INTERVAL",
     "STUCK_AFTER",
     "TRACE_ENTRIES",
+    "CallAudit",
     "CallLedger",
     "CallNotes",
     "CollectiveCall",
@@ -55,7 +58,9 @@ __all__ = [
     "RankReport",
     "calls_from_trace",
     "check_gather_shapes",
+    "collective_wait",
     "find_divergence",
+    "stale_waits",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,12 +68,15 @@ log = logging.getLogger(__name__)
 #: Seconds a rank must wait, unchanged, in one collective or barrier before it counts as stuck.
 STUCK_AFTER = 2.0
 #: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``.
-TRACE_ENTRIES = 2048
+TRACE_ENTRIES = 1024
 #: Collectives per process group a rank puts in its report (the newest).
-REPORT_CALLS = 256
+REPORT_CALLS = TRACE_ENTRIES
+#: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.
+AUDIT_INTERVAL = 5.0
 _INQUIRY_KEY = "desync/inquiry"
 _RANK0_STOPPING_KEY = "desync/rank0-stopping"  # rank 0 has printed the agreed error (it may exit any moment now)
 _REPORT_KEY = "desync/report/{inquiry}/{rank}"
+_AUDIT_KEY = "desync/audit/{rank}"
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
 _BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
 _EXIT_CODE = 1
@@ -242,13 +250,87 @@ class LogSites:
         return f"{text} (called at {site})" if site else text
 
 
+class CallAudit:
+    """Per-call digests of one rank's recorded collectives, for the ranks to compare while they run.
+
+    gloo pairs the n-th calls of the ranks on a group whatever they are: two ranks that all-reduce different
+    tensors of one shape at different lines (a rank-dependent branch with a collective on each side) never wait,
+    and mix their values silently. Every :data:`AUDIT_INTERVAL` seconds the heartbeat thread adds the recorder's new
+    calls (:meth:`add`: a CRC-32 of each call's op, shapes, dtypes, user call site and what made it), publishes the
+    newest digests of each group (:meth:`publication`, a few kilobytes) and compares the next rank's publication
+    with its own (:meth:`first_difference`); the strategy compares every rank's once more at each stage's end.
+    A difference opens an inquiry, whose verdict names both calls.
+    """
+
+    def __init__(self, keep: int = 4 * TRACE_ENTRIES) -> None:
+        self._digests: dict[str, dict[int, int]] = {}
+        self._keep = keep
+        #: per group, the newest sequence number added
+        self.newest: dict[str, int] = {}
+
+    def add(self, calls: Sequence[CollectiveCall]) -> None:
+        """Add the calls newer than those added before (recorder order: oldest first)."""
+        for call in calls:
+            if call.seq <= self.newest.get(call.group, 0):
+                continue
+            digests = self._digests.setdefault(call.group, {})
+            digests[call.seq] = zlib.crc32(repr(call.key()).encode()) or 1  # 0 means "not known"
+            digests.pop(call.seq - self._keep, None)
+            self.newest[call.group] = call.seq
+
+    def publication(self, most: int = TRACE_ENTRIES) -> dict[str, list[Any]]:
+        """Per group ``[first seq, digests as hex]``: the newest ``most`` calls (an unknown call's digest is 0)."""
+        published: dict[str, list[Any]] = {}
+        for group, digests in self._digests.items():
+            last = self.newest[group]
+            first = max(min(digests), last - most + 1)
+            values = array.array("I", (digests.get(seq, 0) for seq in range(first, last + 1)))
+            published[group] = [first, values.tobytes().hex()]
+        return published
+
+    def first_difference(self, other: Mapping[str, Sequence[Any]]) -> tuple[str, int] | None:
+        """The first ``(group, seq)`` whose digest differs between this rank's calls and ``other``'s publication."""
+        return first_published_difference([self.publication(), other])
+
+
+def _published_digests(publication: Mapping[str, Sequence[Any]], group: str) -> dict[int, int]:
+    if group not in publication:
+        return {}
+    first, data = publication[group]
+    values = array.array("I")
+    values.frombytes(bytes.fromhex(str(data)))
+    return {int(first) + i: value for i, value in enumerate(values) if value}
+
+
+def first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]]]) -> tuple[str, int] | None:
+    """The first ``(group, seq)`` (lowest group id, then seq) to which ranks' publications give different digests.
+
+    Args:
+        publications: every rank's :meth:`CallAudit.publication`; a call only some ranks published is not compared.
+
+    """
+    groups = sorted({group for publication in publications for group in publication})
+    for group in groups:
+        tables = [_published_digests(publication, group) for publication in publications]
+        for seq in sorted(set().union(*tables)):
+            values = {table[seq] for table in tables if seq in table}
+            if len(values) > 1:
+                return group, seq
+    return None
+
+
 def _frame_text(frame: Mapping[str, Any]) -> str:
     return f"{short_path(str(frame.get('filename', '')))}:{frame.get('line', 0)} in {frame.get('name', '?')}"
 
 
 def _what(frames: Sequence[Mapping[str, Any]]) -> str:
-    """What made a call, from its stack (innermost first), for the calls the strategy did not note."""
-    names = [(str(f.get("filename", "")).replace(os.sep, "/"), str(f.get("name", ""))) for f in frames]
+    """What made a call, from its stack (innermost first), for the calls the strategy did not note.
+
+    Only the frames inside the innermost user frame count: a library the user's code called made it; the library
+    that called the user's code (Lightning calling a hook) did not.
+    """
+    inner = next((i for i, f in enumerate(frames) if is_user_path(str(f.get("filename", "")))), len(frames))
+    names = [(str(f.get("filename", "")).replace(os.sep, "/"), str(f.get("name", ""))) for f in frames[:inner]]
     for path, name in names:
         if name == "_engine_run_backward" or path.endswith("torch/autograd/graph.py"):
             return "DDP's gradient all-reduce (backward)"
@@ -336,10 +418,8 @@ class RankReport:
 
     def pending(self) -> CollectiveCall | None:
         """The collective it waits in, when that is one (not a barrier)."""
-        if not self.waiting.startswith("collective "):
-            return None
-        group, _, seq = self.waiting.split(" ", 1)[1].partition("#")
-        return next((c for c in self.calls if c.group == group and c.seq == int(seq)), None)
+        wait = collective_wait(self.waiting)
+        return None if wait is None else next((c for c in self.calls if (c.group, c.seq) == wait), None)
 
     def describe_wait(self) -> str:
         """Where it waits, in words."""
@@ -374,6 +454,38 @@ class RankReport:
 
 def _group_name(group: str) -> str:
     return _GROUP_NAMES.get(group, f"process group {group}")
+
+
+def collective_wait(waiting: str) -> tuple[str, int] | None:
+    """``(group, seq)`` of a wait ``"collective <group>#<seq>"``; ``None`` for a barrier or no wait."""
+    if not waiting.startswith("collective "):
+        return None
+    group, _, seq = waiting.split(" ", 1)[1].partition("#")
+    return (group, int(seq)) if seq.isdigit() else None
+
+
+def stale_waits(waits: Mapping[int, str], done: Mapping[int, set[tuple[str, int]]] | None = None) -> set[int]:
+    """The ranks whose pending collective another rank is past: they are not blocked in it.
+
+    A backend completes the n-th collective of a group on a rank only once every rank has entered its n-th call, so
+    a rank pending in call #n of a group while another rank waits in a later call of that group (or has completed
+    #n) has its part of #n done: its entry is an asynchronous call not yet waited for, or about to be marked done,
+    and the rank itself runs (rank 0 writing a large checkpoint with ``torch.save`` while another rank waits in the
+    next collective is slow, not diverged).
+
+    Args:
+        waits: each rank's wait (see :attr:`~ddp_strategy.positions.Position.waiting`).
+        done: per rank, the ``(group, seq)`` of the collectives it completed, where known.
+
+    """
+    pending = {rank: w for rank, wait in waits.items() if (w := collective_wait(wait)) is not None}
+    stale = set()
+    for rank, (group, seq) in pending.items():
+        later = any(g == group and s > seq for other, (g, s) in pending.items() if other != rank)
+        completed = done is not None and any((group, seq) in d for other, d in done.items() if other != rank)
+        if later or completed:
+            stale.add(rank)
+    return stale
 
 
 def _grouped(lines: Mapping[int, str]) -> list[str]:
@@ -434,6 +546,9 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
         return None
     mismatch = _first_mismatch(reports)
     waits = {rank: report.waiting for rank, report in reports.items()}
+    done = {rank: {(c.group, c.seq) for c in report.calls if c.done} for rank, report in reports.items()}
+    for rank in stale_waits(waits, done):  # not blocked: another rank is past its pending call
+        waits[rank] = ""
     stuck = all(waits.values()) and len(set(waits.values())) > 1
     ledger = _first_ledger_mismatch(reports) if mismatch is None else None
     if mismatch is None and ledger is None and not stuck:
@@ -550,6 +665,7 @@ class DesyncMonitor:
             without it, the epoch and batches started that the strategy noted with each training step.
         ledger: the count and digest of the strategy's own collectives, compared with the next rank's each beat.
         stuck_after: seconds of an unchanged wait before this rank counts as stuck.
+        audit_interval: seconds between two audits of the recorded collectives (:class:`CallAudit`).
 
     """
 
@@ -561,6 +677,7 @@ class DesyncMonitor:
         progress: Callable[[], tuple[int, int] | None] | None = None,
         ledger: CallLedger | None = None,
         stuck_after: float = STUCK_AFTER,
+        audit_interval: float = AUDIT_INTERVAL,
     ) -> None:
         self.control = control
         self.notes = notes
@@ -568,6 +685,12 @@ class DesyncMonitor:
         self.ledger = ledger if ledger is not None else CallLedger()
         self._ledger_inquired = False
         self.stuck_after = stuck_after
+        self.audit = CallAudit()
+        self.audit_interval = audit_interval
+        self._next_audit = time.monotonic() + audit_interval
+        self._audited_status: dict[str, tuple[int, int]] = {}
+        self._audit_inquired: set[tuple[str, int]] = set()
+        self._audit_lock = threading.Lock()
         self._wait: tuple[str, float] = ("", 0.0)
         self._answered = 0  # the last inquiry this rank answered
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
@@ -613,6 +736,42 @@ class DesyncMonitor:
         if not self._ledger_inquired and self._ledger_differs(store):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+            return
+        if time.monotonic() >= self._next_audit:
+            difference = self._audit(store)
+            self._next_audit = time.monotonic() + self.audit_interval
+            if difference is not None and difference not in self._audit_inquired:
+                self._audit_inquired.add(difference)  # once per call: the verdict names it
+                self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+
+    # ------------------------------------------------------------------ auditing
+    def update_audit(self) -> dict[str, list[Any]]:
+        """Add the recorder's new calls to :attr:`audit` (one dump with stacks) and return its publication."""
+        with self._audit_lock:
+            status = collective_status()
+            if status != self._audited_status:
+                self._audited_status = status
+                newest = self.audit.newest
+                entries = [
+                    e
+                    for e in collective_trace()
+                    if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
+                ]
+                # no notes: what a call was must come from its own stack, the same on every rank at any time
+                self.audit.add(calls_from_trace(entries))
+            return self.audit.publication()
+
+    def _audit(self, store: Store) -> tuple[str, int] | None:
+        """Publish this rank's digests; the first call whose digest differs from the next rank's, if any."""
+        control = self.control
+        before = dict(self.audit.newest)
+        publication = self.update_audit()
+        if self.audit.newest != before:
+            store.set(_AUDIT_KEY.format(rank=control.rank), json.dumps(publication))
+        peer = _AUDIT_KEY.format(rank=(control.rank + 1) % control.world_size)
+        if not store.check([peer]):
+            return None
+        return self.audit.first_difference(json.loads(store.get(peer)))
 
     def _ledger_differs(self, store: Store) -> bool:
         """Whether the next rank's strategy collectives differ from this rank's at the count it reached."""
@@ -627,6 +786,7 @@ class DesyncMonitor:
         positions = self.control.read_positions(store)
         now = time.time()
         stale = max(3.0, 4 * self.control.heartbeat_interval)
+        waits = {self.control.rank: self._wait[0]}
         for rank, position in positions.items():
             if rank == self.control.rank:
                 continue
@@ -634,7 +794,8 @@ class DesyncMonitor:
                 return False  # a dead or failed rank is the failure diagnosis's business
             if not position.waiting:
                 return False
-        return True
+            waits[rank] = position.waiting
+        return not stale_waits(waits)  # a rank pending in a call another rank is past runs on
 
     # ------------------------------------------------------------------ inquiring
     def report(self) -> RankReport:

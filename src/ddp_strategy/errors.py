@@ -97,7 +97,8 @@ class CollectiveMismatchError(DDPStrategyError):
 class UnevenInputsError(CollectiveMismatchError):
     """Ranks would run different numbers of training steps in an epoch, so DDP's gradient all-reduce would hang.
 
-    Raised before the first step, when every rank's training batch count is known and they differ.
+    Raised before the first step, when every rank's training batch count is known and they differ, and again
+    before the first step of an epoch whose reloaded training dataloader gives the ranks different counts.
 
     Attributes:
         batches: each rank's number of training batches per epoch, in rank order.

@@ -39,6 +39,7 @@ __all__ = [
     "check_facts",
     "check_training_batches",
     "collect_facts",
+    "compare_training_batches",
     "sampler_seeds",
     "seed_report",
     "seed_summary",
@@ -224,7 +225,23 @@ def check_training_batches(facts: Sequence[RankFacts]) -> str | None:
         when the counts agree or are not all known.
 
     """
-    counts = [f.training_batches for f in facts]
+    return compare_training_batches([f.training_batches for f in facts])
+
+
+def compare_training_batches(counts: Sequence[float | None], *, epoch: int | None = None) -> str | None:
+    """Compare the ranks' training batch counts (``trainer.num_training_batches``), when all are known.
+
+    Args:
+        counts: one count per rank, in rank order; ``inf`` (an iterable of unknown length) or ``None`` (not
+            training) on any rank skips the comparison.
+        epoch: the epoch whose reloaded training dataloader gave these counts (the message then names it and the
+            reload); ``None`` for the counts at the start of training.
+
+    Returns:
+        The message of the :class:`~ddp_strategy.errors.UnevenInputsError` to raise (or warn with), or ``None``
+        when the counts agree or are not all known.
+
+    """
     known = [c for c in counts if c is not None and not math.isinf(c)]
     if len(known) < len(counts) or len(set(known)) <= 1:
         return None
@@ -232,13 +249,26 @@ def check_training_batches(facts: Sequence[RankFacts]) -> str | None:
         f"{int(count)} on rank(s) {format_ranks(ranks)}"
         for count, ranks in sorted(_group_numbers(dict(enumerate(known))).items(), reverse=True)
     )
+    fewest = int(min(known))
+    if epoch is None:
+        return (
+            f"Ranks have different numbers of training batches per epoch: {table}. DDP all-reduces gradients at "
+            f"every step, so the ranks with more batches would wait forever in step {fewest + 1} for the others "
+            "(or pair it with their next epoch's first step). Give every rank the same number of batches: keep "
+            "Lightning's DistributedSampler (Trainer(use_distributed_sampler=True), the default), or with your own "
+            "sharding split the data evenly (DistributedSampler(drop_last=True) drops the remainder), or set "
+            f"Trainer(limit_train_batches={fewest})."
+        )
     return (
-        f"Ranks have different numbers of training batches per epoch: {table}. DDP all-reduces gradients at every "
-        f"step, so the ranks with more batches would wait forever in step {int(min(known)) + 1} for the others "
-        "(or pair it with their next epoch's first step). Give every rank the same number of batches: keep "
-        "Lightning's DistributedSampler (Trainer(use_distributed_sampler=True), the default), or with your own "
-        "sharding split the data evenly (DistributedSampler(drop_last=True) drops the remainder), or set "
-        f"Trainer(limit_train_batches={int(min(known))})."
+        f"Ranks have different numbers of training batches in epoch {epoch}, after the training dataloader was "
+        f"reloaded (Trainer(reload_dataloaders_every_n_epochs=...)): {table}. DDP all-reduces gradients at every "
+        f"step, so the ranks with more batches would wait forever in step {fewest + 1} of epoch {epoch} for the "
+        "others (or pair it with their next epoch's first step). `train_dataloader()` ran again for this epoch and "
+        "built shards of different sizes (for example from `self.current_epoch`, or from data that changed). "
+        "Give every rank the same number of batches in every epoch: keep Lightning's DistributedSampler "
+        "(Trainer(use_distributed_sampler=True), the default), or split each epoch's data evenly "
+        "(DistributedSampler(drop_last=True) drops the remainder), or set Trainer(limit_train_batches=N) to at "
+        f"most the smallest count of any epoch ({fewest} here)."
     )
 
 

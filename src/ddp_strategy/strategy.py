@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from ._compat.lightning import (
     LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH,
+    Callback,
     CheckpointPath,
     DDPStrategy,
     StrategyRegistryType,
@@ -53,7 +54,15 @@ from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
-from .desync import TRACE_ENTRIES, CallLedger, CallNotes, DesyncMonitor, LogSites, check_gather_shapes
+from .desync import (
+    TRACE_ENTRIES,
+    CallLedger,
+    CallNotes,
+    DesyncMonitor,
+    LogSites,
+    check_gather_shapes,
+    first_published_difference,
+)
 from .errors import (
     CheckpointMismatchError,
     CheckpointWriteError,
@@ -69,6 +78,7 @@ from .handshake import (
     check_facts,
     check_training_batches,
     collect_facts,
+    compare_training_batches,
     seed_report,
     seed_summary,
     train_sampler_seeds,
@@ -96,6 +106,21 @@ DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
 def _persistent_workers(dataloader: object) -> bool:
     """A DataLoader whose worker processes (and iterator) live across epochs: it draws no new seed per epoch."""
     return bool(getattr(dataloader, "persistent_workers", False)) and getattr(dataloader, "num_workers", 0) > 0
+
+
+class _ReloadedTrainingBatchesCheck(Callback):
+    """Calls ``check(trainer)`` at every training epoch start, before the other callbacks' and the module's hooks.
+
+    Added by :class:`SafeDDPStrategy` for ``fit``; ``check`` returns at once unless the training dataloader was
+    reloaded since the last comparison of the ranks' batch counts.
+    """
+
+    def __init__(self, check: Callable[[pl.Trainer], None]) -> None:
+        self._check = check
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check(trainer)
 
 
 class SafeDDPStrategy(DDPStrategy):
@@ -149,7 +174,10 @@ class SafeDDPStrategy(DDPStrategy):
         uneven_inputs: what to do when the ranks' training batch counts per epoch are known (map-style data,
             sized loaders) and differ, which would hang DDP's gradient all-reduce: ``"raise"`` (default) an
             :class:`~ddp_strategy.errors.UnevenInputsError` on every rank before the first step, ``"warn"``, or
-            ``None`` to skip the comparison. Checked by the training handshake.
+            ``None`` to skip the comparison. Compared by the training handshake (at ``on_train_start``), and again
+            at the start of every epoch whose training dataloader was reloaded since
+            (``Trainer(reload_dataloaders_every_n_epochs=N)``), before that epoch's first step: one small gather on
+            the control plane per reload, nothing in epochs without one. Needs ``handshake=True``.
         weight_check: when every rank's weights are compared (a fingerprint per parameter, and per buffer that DDP
             does not re-broadcast, compared on the control plane; see :mod:`ddp_strategy.consistency`):
             ``"epoch"`` (default): before every checkpoint save and at the end of every training epoch; ``"save"``:
@@ -245,6 +273,8 @@ class SafeDDPStrategy(DDPStrategy):
             choices = sorted(_UNEVEN_INPUTS)
             raise ValueError(f"`uneven_inputs` must be one of {choices} or None, got {uneven_inputs!r}.")
         self.uneven_inputs = uneven_inputs
+        # the training dataloader was (re)loaded since the ranks' batch counts were last compared
+        self._train_loader_reloaded = False
         periodic = isinstance(weight_check, int) and not isinstance(weight_check, bool)
         if not (weight_check is None or weight_check in _WEIGHT_CHECK or (periodic and int(weight_check) >= 1)):
             raise ValueError(
@@ -411,6 +441,10 @@ class SafeDDPStrategy(DDPStrategy):
             install_snapshot_gate(trainer, self._wait_for_snapshot)
         self._setup_weight_checks(trainer)
         self._setup_preemption(trainer)
+        self._train_loader_reloaded = False
+        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            check = _ReloadedTrainingBatchesCheck(self._check_reloaded_training_batches)
+            add_callback(trainer, check, first=True, replace=_ReloadedTrainingBatchesCheck)
         if self.desync_detection and self.lightning_module is not None:
             self._log_sites.install(self.lightning_module)
 
@@ -465,6 +499,7 @@ class SafeDDPStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         # Always checked here, even after the sanity-check validation ran the handshake: user hooks such as
         # on_train_start run in between and may change weights on one rank.
+        self._train_loader_reloaded = False  # its batch counts are compared now
         self._run_handshake("train")
         self._warn_about_fork_hazard()
         super().on_train_start()
@@ -571,6 +606,11 @@ class SafeDDPStrategy(DDPStrategy):
                 self._compare_strategy_calls()
             except CollectiveMismatchError as err:
                 diverged, self._failed = err, True
+                if self._desync is not None:  # as on_exception, which runs after the control plane is gone here
+                    if self.global_rank == 0:
+                        self._desync.rank0_stopping()
+                    else:  # rank 0 may be blocked in a backend collective: let it show the error before we exit
+                        self._desync.await_rank0()
             # After a failure other ranks may never reach a closing barrier: only close collectively on success.
             try:
                 self._control.close(graceful=not self._failed)
@@ -589,10 +629,22 @@ class SafeDDPStrategy(DDPStrategy):
         control, monitor = self._control, self._desync
         if control is None or monitor is None or self._failed:
             return
-        states = control.all_gather_object(self._call_ledger.state, name="strategy-calls")
-        if len(set(states)) == 1:
+        gathered = control.all_gather_object((self._call_ledger.state, monitor.update_audit()), name="strategy-calls")
+        states = [state for state, _ in gathered]
+        difference = first_published_difference([publication for _, publication in gathered])
+        if len(set(states)) == 1 and difference is None:
             return
         error = monitor.inquire()
+        if error is None and difference is not None:
+            group, seq = difference
+            error = CollectiveMismatchError(
+                f"The ranks made different collective calls: call #{seq} of process group {group} differs between "
+                "ranks (its op, tensor shapes or dtypes, or the line of code that made it), too long ago to describe. "
+                "Look for a collective in a rank-dependent branch.",
+                name=f"collective #{seq}",
+                missing_ranks=[],
+                reason="desync",
+            )
         if error is None:
             counts = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(states))
             error = CollectiveMismatchError(
@@ -948,6 +1000,7 @@ class SafeDDPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
+        self._train_loader_reloaded = True  # on every rank in the same epoch: the Trainer's reload schedule
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
         if self._resumed is not None:  # the fit loop's reset, after this, counts an epoch ended by the saved batch
             epoch += int(self._resumed["epochs_ahead"])
@@ -1041,12 +1094,32 @@ class SafeDDPStrategy(DDPStrategy):
 
     def _check_training_batches(self, gathered: list[RankFacts]) -> None:
         message = check_training_batches(gathered) if self.uneven_inputs is not None else None
+        self._act_on_uneven_inputs(message, [f.training_batches or 0.0 for f in gathered])
+
+    def _check_reloaded_training_batches(self, trainer: pl.Trainer) -> None:
+        """At an epoch start after the training dataloader was reloaded: compare the ranks' new batch counts.
+
+        Every rank reloads in the same epoch (the Trainer's ``reload_dataloaders_every_n_epochs``), so every rank
+        decides alike whether to gather; without a reload this costs one attribute read.
+        """
+        if not self._train_loader_reloaded:
+            return
+        self._train_loader_reloaded = False
+        if self.uneven_inputs is None or not self.handshake_enabled or self._control is None:
+            return
+        epoch = trainer.current_epoch
+        counts = self._control.all_gather_object(
+            float(trainer.num_training_batches), name=f"training-batches:epoch-{epoch}"
+        )
+        self._act_on_uneven_inputs(compare_training_batches(counts, epoch=epoch), counts)
+
+    def _act_on_uneven_inputs(self, message: str | None, counts: Sequence[float]) -> None:
         if message is None:
             return
         if self.uneven_inputs == "warn":
             rank_zero_warn(f"ddp_strategy: {message}")
             return
-        raise UnevenInputsError(message, batches=[f.training_batches or 0.0 for f in gathered])
+        raise UnevenInputsError(message, batches=counts)
 
 
 def _elastic_attempt_store(world_size: int, timeout: timedelta | None) -> Any:

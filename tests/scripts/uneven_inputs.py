@@ -4,8 +4,12 @@ The user turns Lightning's DistributedSampler off and splits 60 samples by hand:
 other 28, so with batch size 4 rank 0 runs 8 steps per epoch and rank 1 runs 7. DDP all-reduces gradients at
 every step, so stock Lightning's rank 0 waits forever in its 8th step.
 
-Usage: python uneven_inputs.py --strategy safe_ddp|ddp [--uneven-inputs raise|warn]
-Every rank prints ``rank=R step=S`` after each training step and ``rank=R fit-done`` when ``fit`` returns.
+With ``--shrink-at-epoch E`` the shards are even (32 samples each) until rank 1's loses one batch (4 samples) at
+epoch E: ``train_dataloader`` builds them from ``self.current_epoch``, and the Trainer reloads it every epoch
+(``reload_dataloaders_every_n_epochs=1``, ``max_epochs=E + 1``).
+
+Usage: python uneven_inputs.py --strategy safe_ddp|ddp [--uneven-inputs raise|warn] [--shrink-at-epoch E]
+Every rank prints ``rank=R step=S epoch=E`` after each training step and ``rank=R fit-done`` when ``fit`` returns.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ PER_RANK = 32
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, shrink_at_epoch: int | None = None) -> None:
         super().__init__()
+        self.shrink_at_epoch = shrink_at_epoch
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -33,15 +38,19 @@ class Regressor(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        sys.stdout.write(f"rank={self.global_rank} step={batch_idx + 1}\n")  # one write: lines do not run together
+        # one write: lines do not run together
+        sys.stdout.write(f"rank={self.global_rank} step={batch_idx + 1} epoch={self.current_epoch}\n")
         sys.stdout.flush()
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(60, 8, generator=g), torch.randn(60, generator=g))
+        data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
         rank = self.global_rank
-        mine = Subset(data, range(rank * PER_RANK, min(len(data), (rank + 1) * PER_RANK)))  # the last rank: fewer
-        return DataLoader(mine, batch_size=4)
+        size = PER_RANK
+        shrink = self.shrink_at_epoch
+        if rank == 1 and (shrink is None or self.current_epoch >= shrink):
+            size -= 4  # rank 1: 7 batches (from the start, or from epoch `shrink` on)
+        return DataLoader(Subset(data, range(rank * PER_RANK, rank * PER_RANK + size)), batch_size=4)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -51,21 +60,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="safe_ddp")
     parser.add_argument("--uneven-inputs", default="raise")
+    parser.add_argument("--shrink-at-epoch", type=int, default=None)
     args = parser.parse_args()
+    shrink = args.shrink_at_epoch
     pl.seed_everything(0)
     strategy: Any = SafeDDPStrategy(uneven_inputs=args.uneven_inputs) if args.strategy == "safe_ddp" else "ddp"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_epochs=1,
+        max_epochs=1 if shrink is None else shrink + 1,
+        reload_dataloaders_every_n_epochs=0 if shrink is None else 1,
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regressor())
+    trainer.fit(Regressor(shrink))
     sys.stdout.write(f"rank={trainer.global_rank} fit-done\n")
     sys.stdout.flush()
 

@@ -75,6 +75,9 @@ _C10D_COLLECTIVES = frozenset(
     }
 )
 _CONTROL_WAITS = frozenset({"barrier", "_wait_all", "all_gather_object", "gather_object", "broadcast_object"})
+# Lightning (>= 2.5) broadcasts a SIGTERM flag from rank 0 before every training batch, from this function
+_BEFORE_BATCH = "_broadcast_sigterm_tensor"
+_PER_BATCH_WAITS = ("backward pass: DDP's gradient all-reduce", "DDP ")  # locate()'s texts of per-batch waits
 
 Frame = tuple[str, int, str]  # (file name, line number, function name)
 
@@ -115,6 +118,9 @@ def locate(stack: list[Frame], position: Position | None) -> tuple[str, str]:
                 return "waiting", f"{position.kind} '{position.name}'{site}"
             return "waiting", f"a control-plane barrier{via}"
         if "/torch/distributed/" in path and f[2] in _C10D_COLLECTIVES:
+            if any(g[2] == _BEFORE_BATCH for g in stack):
+                per_batch = f"Lightning's per-batch {_BEFORE_BATCH}, before the next training batch"
+                return "waiting", f"collective torch.distributed.{f[2]} ({per_batch}){via}"
             return "waiting", f"collective torch.distributed.{f[2]}{via}"
     if stack:
         path = stack[0][0].replace(os.sep, "/")
@@ -189,7 +195,7 @@ def summarize(
         lines.append(f"  rank {rank}: NO REPORT (dead, or frozen without running Python); {seen}")
     if len(missing) > 8:
         lines.append(f"  ... and {len(missing) - 8} more ranks without a report: {format_ranks(missing)}")
-    lines.extend(_verdict(groups, [r for r in missing if r not in alive], alive))
+    lines.extend(_verdict(groups, [r for r in missing if r not in alive], alive, _uneven(reports, positions, alive)))
     dumps = [reports[r]["dump"] for r in sorted(reports) if reports[r].get("dump")]
     if dumps:
         folder = os.path.dirname(dumps[0])
@@ -205,10 +211,45 @@ def _alive(position: Position | None, now: float, stale_after: float) -> bool:
     return position is not None and position.kind != "failed" and now - position.heartbeat <= stale_after
 
 
-def _verdict(groups: dict[tuple[str, str], list[int]], missing: list[int], alive: list[int] | None = None) -> list[str]:
+def _uneven(reports: dict[int, dict[str, Any]], positions: dict[int, Position | None], alive: list[int]) -> str:
+    """Uneven training inputs: a rank waits in a per-batch collective of an epoch another (live) rank ran out of.
+
+    Rank ``b`` waits in DDP's gradient all-reduce or buffer sync, or in Lightning's per-batch broadcast; rank ``o``
+    does not, and started fewer batches of that epoch (it ended the epoch, or left the training loop), or is in a
+    later epoch. Ranks without a report count with their published position when alive (``alive``). Empty: none.
+    """
+    reached: dict[int, tuple[int, int]] = {
+        r: (int(rep["epoch"]), int(rep["batches"])) for r, rep in reports.items() if rep.get("epoch") is not None
+    }
+    for rank in alive:
+        position = positions.get(rank)
+        if position is not None and position.epoch is not None:
+            reached[rank] = (position.epoch, position.epoch_batch or 0)
+    in_batch = [r for r, rep in reports.items() if rep.get("per_batch") and r in reached]
+
+    def behind(o: int, b: int) -> bool:  # o ran out of the batches of b's epoch (it ended or left that epoch)
+        (epoch_o, count_o), (epoch_b, count_b) = reached[o], reached[b]
+        return epoch_o > epoch_b or (epoch_o == epoch_b and count_o < count_b)
+
+    ran_out = sorted(o for o in reached if o not in in_batch and any(behind(o, b) for b in in_batch))
+    if not ran_out:
+        return ""
+    counts = ", ".join(f"rank {r}: {n} (epoch {e})" for r, (e, n) in sorted(reached.items()))
+    return (
+        f"rank {format_ranks(ran_out)}: ran out of training batches while rank {format_ranks(in_batch)} still had "
+        f"one (uneven inputs: the ranks' loaders yield different numbers of batches), so rank "
+        f"{format_ranks(in_batch)} {'waits' if len(in_batch) == 1 else 'wait'} in a per-batch collective no other "
+        f"rank enters. Batches started per rank in its epoch: {counts}. Give every rank the same number of batches "
+        "(Lightning's DistributedSampler, or equal-length shards of an IterableDataset)"
+    )
+
+
+def _verdict(
+    groups: dict[tuple[str, str], list[int]], missing: list[int], alive: list[int] | None = None, uneven: str = ""
+) -> list[str]:
     waiting = sorted(r for (state, _), ranks in groups.items() if state == "waiting" for r in ranks)
     running = sorted(r for (state, _), ranks in groups.items() if state == "running" for r in ranks)
-    found: list[str] = []
+    found: list[str] = [uneven] if uneven else []
     if missing:
         found.append(f"rank {format_ranks(missing)}: gone (no report, heartbeat stopped): it died or exited early")
     if alive:
@@ -588,6 +629,8 @@ class HangWatchdog(Callback):
         main = threading.main_thread()
         stack = _frames(sys._current_frames().get(main.ident or -1))
         state, where = locate(stack, position)
+        epoch, batches = self._control.progress if self._control is not None else (None, None)
+        before_batch = any(f[2] == _BEFORE_BATCH for f in stack)
         trainer = self._trainer
         step = int(trainer.global_step) if trainer is not None else -1
         head = [
@@ -622,6 +665,11 @@ class HangWatchdog(Callback):
             "progress": self._progress_what,
             "idle": idle,
             "dump": written,
+            # for the uneven-inputs verdict: the batches of its epoch this rank started (one it waits to start
+            # included), and whether it waits in a collective every rank enters once per training batch
+            "epoch": epoch,
+            "batches": None if epoch is None else (batches or 0) + int(before_batch),
+            "per_batch": state == "waiting" and (before_batch or where.startswith(_PER_BATCH_WAITS)),
         }
 
     def _coordinate(self, store: Store, report: dict[str, Any], reason: str) -> None:

@@ -27,6 +27,7 @@ which the strategy's launcher replaces by the agreed error (see ``SafeDDPStrateg
 from __future__ import annotations
 
 import array
+import functools
 import json
 import logging
 import os
@@ -68,7 +69,7 @@ log = logging.getLogger(__name__)
 #: Seconds a rank must wait, unchanged, in one collective or barrier before it counts as stuck.
 STUCK_AFTER = 2.0
 #: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``.
-TRACE_ENTRIES = 1024
+TRACE_ENTRIES = 256
 #: Collectives per process group a rank puts in its report (the newest).
 REPORT_CALLS = TRACE_ENTRIES
 #: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.
@@ -319,18 +320,24 @@ def first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]
     return None
 
 
-def _frame_text(frame: Mapping[str, Any]) -> str:
-    return f"{short_path(str(frame.get('filename', '')))}:{frame.get('line', 0)} in {frame.get('name', '?')}"
+@functools.lru_cache(maxsize=4096)
+def _user_file(path: str) -> bool:
+    return is_user_path(path)
 
 
-def _what(frames: Sequence[Mapping[str, Any]]) -> str:
-    """What made a call, from its stack (innermost first), for the calls the strategy did not note.
+@functools.lru_cache(maxsize=4096)
+def _site_text(path: str, line: int, name: str) -> str:
+    return f"{short_path(path)}:{line} in {name}"
 
-    Only the frames inside the innermost user frame count: a library the user's code called made it; the library
-    that called the user's code (Lightning calling a hook) did not.
+
+@functools.lru_cache(maxsize=1024)
+def _what(inner: tuple[tuple[str, str], ...]) -> str:
+    """What made a call, from the ``(file, function)`` of its frames inside the innermost user frame (innermost first).
+
+    Only those frames count: a library the user's code called made the call; the library that called the user's
+    code (Lightning calling a hook) did not. For the calls the strategy did not note.
     """
-    inner = next((i for i, f in enumerate(frames) if is_user_path(str(f.get("filename", "")))), len(frames))
-    names = [(str(f.get("filename", "")).replace(os.sep, "/"), str(f.get("name", ""))) for f in frames[:inner]]
+    names = [(path.replace(os.sep, "/"), name) for path, name in inner]
     for path, name in names:
         if name == "_engine_run_backward" or path.endswith("torch/autograd/graph.py"):
             return "DDP's gradient all-reduce (backward)"
@@ -348,14 +355,28 @@ def _what(frames: Sequence[Mapping[str, Any]]) -> str:
     return ""
 
 
+def _site_and_what(frames: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """The innermost user frame of a stack (innermost first) as ``file:line in function``, and what made the call.
+
+    Called for every recorded collective an audit reads: the per-file and per-path answers are cached.
+    """
+    inner: list[tuple[str, str]] = []
+    for frame in frames:
+        path = str(frame.get("filename") or "")
+        if _user_file(path):
+            site = _site_text(path, int(frame.get("line") or 0), str(frame.get("name") or "?"))
+            return site, _what(tuple(inner))
+        inner.append((path, str(frame.get("name") or "")))
+    return "", _what(tuple(inner))
+
+
 def calls_from_trace(entries: Sequence[Mapping[str, Any]], notes: CallNotes | None = None) -> list[CollectiveCall]:
     """The Flight Recorder's entries (:func:`~ddp_strategy._compat.torch.collective_trace`) as calls, oldest first."""
     calls = []
     for entry in entries:
         if entry.get("is_p2p"):
             continue
-        frames = list(entry.get("frames") or [])
-        site = next((_frame_text(f) for f in frames if is_user_path(str(f.get("filename", "")))), "")
+        site, what_frames = _site_and_what(entry.get("frames") or ())
         created_ns = int(entry.get("time_created_ns") or 0)
         what = notes.lookup(created_ns) if notes is not None else ""
         op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
@@ -367,7 +388,7 @@ def calls_from_trace(entries: Sequence[Mapping[str, Any]], notes: CallNotes | No
                 shapes=tuple(tuple(int(n) for n in shape) for shape in entry.get("input_sizes") or ()),
                 dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
                 site=site,
-                what=what or _what(frames),
+                what=what or what_frames,
                 done=bool(entry.get("retired")),
                 created=created_ns / 1e9,
             )

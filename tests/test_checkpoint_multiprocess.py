@@ -308,10 +308,13 @@ def resumed_and_checkpointed_past(log_path: Path | None, last: Path, step: int) 
     return record is not None and record.global_step is not None and record.global_step > step
 
 
+TRIALS = 6  # chained kills per CI run (each about 9 s); half aimed at a write in progress
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 10 chained trials of launch, resume and kill, plus a final resume: about 2 min quiet
+@pytest.mark.timeout(900)  # TRIALS chained trials of launch, resume and kill, plus a final resume: about 1 min quiet
 def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tmp_path):
-    """10 trials: SIGKILL the whole job while it checkpoints every step (half at a random moment, half while a write
+    """6 trials: SIGKILL the whole job while it checkpoints every step (half at a random moment, half while a write
     is in progress), with $TMPDIR on another filesystem (/dev/shm) than the checkpoint directory. Every .ckpt left
     must verify and load, and fit(ckpt_path="last") must resume: the trials are chained, each job after the first
     resumes from what the previous kill left (and must report the restore and continue from that step), and a
@@ -336,7 +339,7 @@ def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tm
     last = ckpt / "last.ckpt"
     kills_during_write = 0
     step = 0  # global step of last.ckpt after the previous kill
-    for trial in range(10):
+    for trial in range(TRIALS):
         log_path = tmp_path / f"trial{trial}.log"
         cmd = [sys.executable, str(SCRIPTS / "scenario.py"), "fit_ok", "--out", str(tmp_path / "ignored.json")]
         cmd += ["--max-epochs", "1000", "--every-n-train-steps", "1", "--ckpt-dir", str(ckpt), *size]
@@ -382,5 +385,5 @@ def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tm
     assert resumed.returncode == 0 and not resumed.orphans, resumed.describe()
     assert resumed.result is not None and resumed.result["global_step"] == step + 1
     assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".")], "crash debris was not cleaned up"
-    print(f"{kills_during_write} of 10 kills interrupted a checkpoint write (temporary file left behind)")
-    assert kills_during_write >= 3, "the trials did not exercise kills during a write"
+    print(f"{kills_during_write} of {TRIALS} kills interrupted a checkpoint write (temporary file left behind)")
+    assert kills_during_write >= 2, "the trials did not exercise kills during a write"

@@ -102,13 +102,35 @@ def assert_named_on_every_rank(run: Run, case: str, *, within: float, details: b
         assert "rank 1: waits in the strategy's barrier 'weight-sync" in run.output, run.describe()
 
 
+#: the cases' runs overlap, this many at a time: most of a run is start-up and waiting, so the suite saves time
+PARALLEL_RUNS = 3
+
+
+def run_cases(cases: list[str], check: Callable[[Run, str], None]) -> None:
+    """Run ``desync.py CASE`` for every case, ``PARALLEL_RUNS`` at a time, and ``check`` each; report every failure."""
+    with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
+        runs = dict(zip(cases, pool.map(lambda case: run_script([str(SCRIPT), case], timeout=150), cases), strict=True))
+    failures = []
+    for case, run in runs.items():
+        try:
+            check(run, case)
+        except AssertionError as err:
+            failures.append(f"{case}: {err}")
+    assert not failures, "\n\n".join(failures)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.compat) if c == "log-in-rank-zero-branch" else c for c in sorted(CASES)]
-)
-def test_a_rank_dependent_collective_is_named_on_every_rank_within_seconds(case: str):
-    run = run_script([str(SCRIPT), case], timeout=150)
-    assert_named_on_every_rank(run, case, within=12.0)  # 10 s named + teardown on a loaded CI
+@pytest.mark.compat
+def test_a_rank_dependent_sync_is_named_on_every_rank_within_seconds():
+    run = run_script([str(SCRIPT), "log-in-rank-zero-branch"], timeout=150)
+    assert_named_on_every_rank(run, "log-in-rank-zero-branch", within=12.0)  # 10 s named + teardown on a loaded CI
+
+
+@pytest.mark.multiprocess
+def test_every_rank_dependent_collective_is_named_on_every_rank_within_seconds():
+    """Every other case of ``CASES``, each in its own 2-rank run (runs overlapping, see PARALLEL_RUNS)."""
+    cases = sorted(c for c in CASES if c != "log-in-rank-zero-branch")
+    run_cases(cases, lambda run, case: assert_named_on_every_rank(run, case, within=12.0))
 
 
 @pytest.mark.multiprocess
@@ -382,15 +404,7 @@ def test_every_rank_blocked_in_different_groups_is_still_a_divergence():
     assert "Rank(s) 1 wait at barrier 'save'" in str(error)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["silent-pairing", "silent-pairing-at-end"])
-def test_calls_the_backend_pairs_silently_are_named_while_the_ranks_run_or_at_the_end(case: str):
-    """Each rank all-reduces a tensor of one shape at its own line: gloo pairs them, nothing waits, values mix.
-
-    ``silent-pairing``: the ranks run on for seconds and the heartbeat's audit names it; ``-at-end``: fit ends right
-    after, and the comparison at the stage's end names it.
-    """
-    run = run_script([str(SCRIPT), case], timeout=150)
+def assert_silent_pairing_named(run: Run, case: str) -> None:
     assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
     for rank in (0, 1):
         assert re.search(rf"\[rank{rank}\]: (ddp_strategy\.errors\.)?CollectiveMismatchError: ", run.output), (
@@ -406,3 +420,13 @@ def test_calls_the_backend_pairs_silently_are_named_while_the_ranks_run_or_at_th
     )
     assert max(exits_at(run.output)) - diverged_at(run.output) <= 12.0, run.describe()
     assert "fit-done" not in run.output, run.describe()
+
+
+@pytest.mark.multiprocess
+def test_calls_the_backend_pairs_silently_are_named_while_the_ranks_run_or_at_the_end():
+    """Each rank all-reduces a tensor of one shape at its own line: gloo pairs them, nothing waits, values mix.
+
+    ``silent-pairing``: the ranks run on for seconds and the heartbeat's audit names it; ``-at-end``: fit ends right
+    after, and the comparison at the stage's end names it.
+    """
+    run_cases(["silent-pairing", "silent-pairing-at-end"], assert_silent_pairing_named)

@@ -56,6 +56,9 @@ class Counters:
         self.outer: dict[str, float] = {}
         self.inner: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        #: per call, inside the window: the own CPU seconds of the strategy's collectives (PER_CALL)
+        self.per_call: dict[str, list[float]] = {}
+        self.recording = False
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
         return dict(self.outer), dict(self.inner), dict(self.calls)
@@ -75,13 +78,42 @@ def _timed(method: Callable[..., Any], key: str, into: dict[str, float], calls: 
     return timed
 
 
+#: the strategy's collectives, whose own time is also kept per call (for a median per call)
+PER_CALL = ("reduce", "all_gather", "broadcast")
+
+
+def _timed_per_call(method: Callable[..., Any], key: str, counters: Counters) -> Any:
+    """As :func:`_timed` into ``counters.outer``, and each call's own time (minus the ``super()`` part) kept."""
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        inner_before = counters.inner.get(key, 0.0)
+        start = time.thread_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            took = time.thread_time() - start
+            counters.outer[key] = counters.outer.get(key, 0.0) + took
+            counters.calls[key] = counters.calls.get(key, 0) + 1
+            if counters.recording:
+                own = took - (counters.inner.get(key, 0.0) - inner_before)
+                counters.per_call.setdefault(key, []).append(own)
+
+    return timed
+
+
 def instrument_strategy(counters: Counters) -> Callable[[], None]:
     """Wrap every method SafeDDPStrategy defines and its ``super()`` target; returns the function that undoes it."""
     undo: list[Callable[[], None]] = []
     for name, attr in list(vars(SafeDDPStrategy).items()):
         if name.startswith("__") or not callable(attr) or isinstance(attr, (staticmethod, classmethod, type)):
             continue
-        setattr(SafeDDPStrategy, name, _timed(attr, name, counters.outer, counters.calls))
+        wrapped = (
+            _timed_per_call(attr, name, counters)
+            if name in PER_CALL
+            else _timed(attr, name, counters.outer, counters.calls)
+        )
+        setattr(SafeDDPStrategy, name, wrapped)
         undo.append(functools.partial(setattr, SafeDDPStrategy, name, attr))
         parent = getattr(DDPStrategy, name, None)
         if callable(parent):  # what super().<name>() reaches: only SafeDDPStrategy's methods call it in this script
@@ -143,6 +175,7 @@ class Window(Callback):
                 self.start = mark
             else:
                 self.end = mark
+            self.counters.recording = idx == WARMUP
         self._begin = time.thread_time()
 
     def on_train_batch_end(
@@ -212,7 +245,18 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         "calls_in_window": calls,
         "threads_cpu_per_step_s": threads,
         "epoch_end_check_s": epoch_end,
+        # own CPU per call of the strategy's collectives in the window: median, 10th and 90th percentile
+        "own_per_call_s": {
+            key: {"median": statistics.median(v), "p10": quantile(v, 0.1), "p90": quantile(v, 0.9), "calls": len(v)}
+            for key, v in sorted(counters.per_call.items())
+            if v
+        },
     }
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def render(result: dict[str, Any]) -> list[str]:
@@ -242,6 +286,14 @@ def render(result: dict[str, Any]) -> list[str]:
         ]
         parts += [f"thread `{k}` {v * 1e6:.1f}" for k, v in row["threads_cpu_per_step_s"].items()]
         lines.append(f"- {row['workload']}: " + ", ".join(parts))
+    head = "Own CPU time per call of the strategy's collectives (us, median [10th, 90th percentile], calls):"
+    lines += ["", head, ""]
+    for row in result["workloads"]:
+        parts = [
+            f"`{k}` {v['median'] * 1e6:.1f} [{v['p10'] * 1e6:.1f}, {v['p90'] * 1e6:.1f}] ({v['calls']})"
+            for k, v in row.get("own_per_call_s", {}).items()
+        ]
+        lines.append(f"- {row['workload']}: " + (", ".join(parts) or "none"))
     return lines
 
 

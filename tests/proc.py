@@ -71,6 +71,29 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def _start(args: list[str], env: dict[str, str] | None, prefix: list[str] | None = None) -> subprocess.Popen[str]:
+    """``[prefix...] python args...`` from the repository root, in a new session, output piped (text)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
+    return subprocess.Popen(
+        [*(prefix or []), sys.executable, *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+
+
+def _orphans_left(pgid: int) -> bool:
+    """Whether a member of the group ``pgid`` is still alive 10 s after its leader ended (children get a moment)."""
+    deadline = time.monotonic() + 10
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _group_alive(pgid)
+
+
 def run_script(
     args: list[str],
     *,
@@ -80,18 +103,8 @@ def run_script(
     prefix: list[str] | None = None,
 ) -> Run:
     """Run ``[prefix...] python args...`` from the repository root with a hard timeout; kill its process group."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [*(prefix or []), sys.executable, *args],
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-    )
+    proc = _start(args, env, prefix)
     timed_out = False
     try:
         try:
@@ -101,11 +114,7 @@ def run_script(
             kill_group(proc.pid)
             output, _ = proc.communicate()
         seconds = time.monotonic() - start
-        # Give children a moment to notice the end of their parent before calling them orphans.
-        deadline = time.monotonic() + 10
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        orphans = _group_alive(proc.pid)
+        orphans = _orphans_left(proc.pid)
     finally:
         # Every exit path, including an exception raised inside communicate() (pytest-timeout, Ctrl-C).
         kill_group(proc.pid)
@@ -125,18 +134,8 @@ def run_script_until(
     the script runs. A stopped run's process group is killed while still running (its returncode is -SIGKILL). The
     hard timeout, the group kill in every exit path and the orphan check are :func:`run_script`'s.
     """
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("LOCAL_RANK", None)
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-    )
+    proc = _start(args, env)
     lines: list[str] = []
     last_line = [start]
 
@@ -161,10 +160,7 @@ def run_script_until(
         proc.wait()
         reader.join(timeout=10)
         seconds = time.monotonic() - start
-        deadline = time.monotonic() + 10
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        orphans = _group_alive(proc.pid)
+        orphans = _orphans_left(proc.pid)
     finally:
         kill_group(proc.pid)
         reader.join(timeout=10)

@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch.distributed
 
 from ddp_strategy.desync import (
     CallLedger,
     CallNotes,
     CollectiveCall,
+    DesyncMonitor,
     RankReport,
     calls_from_trace,
     find_divergence,
     stale_waits,
 )
 from ddp_strategy.errors import CollectiveMismatchError, UnevenInputsError
+from ddp_strategy.positions import Position
 from tests.proc import SCRIPTS, Run, run_script, run_script_until, stock_fit_finished
 
 SCRIPT = SCRIPTS / "desync.py"
@@ -402,6 +407,48 @@ def test_every_rank_blocked_in_different_groups_is_still_a_divergence():
     error = find_divergence(reports)
     assert isinstance(error, CollectiveMismatchError)
     assert "Rank(s) 1 wait at barrier 'save'" in str(error)
+
+
+class _Rank0Control:
+    """What :meth:`DesyncMonitor.rank0_stopping` reads of rank 0's control plane: a real store, two ranks."""
+
+    rank, world_size, heartbeat_interval = 0, 2, 1.0
+
+    def __init__(self, rank1_heartbeat: float | None) -> None:
+        self.store = torch.distributed.HashStore()
+        self.rank1_heartbeat = rank1_heartbeat
+
+    def add_beat(self, hook: Callable[..., None]) -> None:
+        pass
+
+    def read_positions(self, store: object = None) -> dict[int, Position | None]:
+        beat = self.rank1_heartbeat
+        return {0: None, 1: None if beat is None else Position("training step", "3", heartbeat=beat)}
+
+
+def test_rank0_exits_only_once_every_rank_holds_the_verdict():
+    # CI, under load: rank 0 raised the agreed error and exited (its store with it) while rank 1's heartbeat thread
+    # had not read the inquiry's reports yet: rank 1 failed with gloo's unnamed "Connection reset by peer"
+    control = _Rank0Control(rank1_heartbeat=time.time())
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    control.store.set("desync/verdict/0", "1")
+    threading.Timer(0.5, lambda: control.store.set("desync/verdict/1", "1")).start()
+    start = time.monotonic()
+    monitor.rank0_stopping()
+    assert 0.5 <= time.monotonic() - start < 3.0
+    assert control.store.check(["desync/rank0-stopping"])
+
+
+def test_rank0_does_not_wait_for_a_dead_rank_or_after_a_gathered_verdict():
+    dead = _Rank0Control(rank1_heartbeat=time.time() - 60)  # rank 1's heartbeat stopped a minute ago: it died
+    start = time.monotonic()
+    DesyncMonitor(dead, CallNotes()).rank0_stopping()  # type: ignore[arg-type]
+    assert time.monotonic() - start < 1.0
+    alive = _Rank0Control(rank1_heartbeat=time.time())
+    start = time.monotonic()
+    DesyncMonitor(alive, CallNotes()).rank0_stopping(await_verdicts=False)  # type: ignore[arg-type]
+    assert time.monotonic() - start < 1.0
+    assert dead.store.check(["desync/rank0-stopping"]) and alive.store.check(["desync/rank0-stopping"])
 
 
 def assert_silent_pairing_named(run: Run, case: str) -> None:

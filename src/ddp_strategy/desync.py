@@ -78,6 +78,8 @@ _INQUIRY_KEY = "desync/inquiry"
 _RANK0_STOPPING_KEY = "desync/rank0-stopping"  # rank 0 has printed the agreed error (it may exit any moment now)
 _REPORT_KEY = "desync/report/{inquiry}/{rank}"
 _AUDIT_KEY = "desync/audit/{rank}"
+_VERDICT_KEY = "desync/verdict/{rank}"  # set by a rank once it holds the agreed error
+_VERDICT_WAIT = 6.0  # seconds rank 0, before it exits, waits for the others to hold the verdict (the store is its)
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
 _BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
 _EXIT_CODE = 1
@@ -874,6 +876,7 @@ class DesyncMonitor:
             if error is not None and self.control.desync_error is None:
                 self.control.desync_error = error
                 self._verdict_at = time.monotonic()
+                store.set(_VERDICT_KEY.format(rank=rank), "1")  # rank 0 hosts the store: it waits for this
                 if self._current_wait()[0].startswith("collective "):
                     # blocked inside the backend: it may be killed (a launcher stopping the job when another rank
                     # exits) before it can raise, so it shows the error now
@@ -943,10 +946,29 @@ class DesyncMonitor:
             self.rank0_stopping(store)
         os._exit(_EXIT_CODE)
 
-    def rank0_stopping(self, store: Store | None = None) -> None:
-        """On rank 0: say that it has shown the agreed error (best effort; see :meth:`await_rank0`)."""
+    def rank0_stopping(self, store: Store | None = None, *, await_verdicts: bool = True) -> None:
+        """On rank 0, before it exits with the agreed error: let the others take the verdict, then say it stops.
+
+        Rank 0 hosts the store the inquiry's reports are in: a rank whose heartbeat thread has not read them yet when
+        rank 0 exits never learns the verdict and fails with the backend's unnamed "Connection reset by peer". So rank
+        0 first waits (at most ``_VERDICT_WAIT`` seconds, less when a rank without it has died) until every rank holds
+        the verdict. Best effort: the error being raised is what matters.
+
+        Args:
+            store: the store connection to use (the calling thread's own); the training thread's by default.
+            await_verdicts: ``False`` when every rank got the error from one gather (the end-of-stage comparison).
+
+        """
+        store = store if store is not None else self.control.store
         try:
-            (store if store is not None else self.control.store).set(_RANK0_STOPPING_KEY, "1")
+            if await_verdicts:
+                keys = [_VERDICT_KEY.format(rank=r) for r in range(self.control.world_size)]
+                deadline = time.monotonic() + _VERDICT_WAIT
+                while not store.check(keys) and time.monotonic() < deadline:
+                    if self._a_silent_rank_is_missing(store, keys):
+                        break
+                    time.sleep(0.02)
+            store.set(_RANK0_STOPPING_KEY, "1")
         except Exception as err:  # the error being raised is what matters
             log.debug("ddp_strategy: rank 0 could not announce its stop: %s", err)
 

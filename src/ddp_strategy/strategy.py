@@ -607,8 +607,8 @@ class SafeDDPStrategy(DDPStrategy):
             except CollectiveMismatchError as err:
                 diverged, self._failed = err, True
                 if self._desync is not None:  # as on_exception, which runs after the control plane is gone here
-                    if self.global_rank == 0:
-                        self._desync.rank0_stopping()
+                    if self.global_rank == 0:  # every rank has the error from the gather: no verdict to wait for
+                        self._desync.rank0_stopping(await_verdicts=False)
                     else:  # rank 0 may be blocked in a backend collective: let it show the error before we exit
                         self._desync.await_rank0()
             # After a failure other ranks may never reach a closing barrier: only close collectively on success.

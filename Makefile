@@ -39,14 +39,19 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src tests examples bench
 	$(PY) -m mypy
 
+# Most tests run 2 at a time (pytest-xdist): a run's ranks import Lightning one after the other and then wait in
+# collectives, so one test at a time leaves about half of the 2 cores idle. The tests marked serial assert a bound of
+# seconds (or that a timing alarm stays silent) and run alone afterwards.
 test: $(STAMP) lint docs
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -m "not slow and not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "serial and not slow" $(PYTEST_ARGS)
 
 # The tests marked gpu (tests/test_gpu.py), with the reason of every skip; .github/workflows/gpu.yml runs this on a
 # self-hosted GPU runner. GPU_TESTS_REQUIRE=N makes it fail instead of skipping when fewer than N GPUs are visible.

@@ -32,7 +32,8 @@ from ddp_strategy.errors import (
     DDPStrategyError,
 )
 
-pytestmark = pytest.mark.compat  # fast unit tests, also run against the lowest and newest Lightning
+# fast unit tests, also run against the lowest and newest Lightning; waits bounded in seconds: run alone (make test)
+pytestmark = [pytest.mark.compat, pytest.mark.serial]
 
 
 def make_planes(world_size: int, timeout: float = 1.0, heartbeat: float = 0.1) -> list[ControlPlane]:

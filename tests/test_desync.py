@@ -34,6 +34,9 @@ from ddp_strategy.errors import CollectiveMismatchError, UnevenInputsError
 from ddp_strategy.positions import Position
 from tests.proc import SCRIPTS, Run, run_script, run_script_until, stock_fit_finished
 
+# each case is asserted to be named within seconds of the divergence: run alone (make test)
+pytestmark = pytest.mark.serial
+
 SCRIPT = SCRIPTS / "desync.py"
 SOURCE = SCRIPT.read_text().splitlines()
 

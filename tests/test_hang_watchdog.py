@@ -21,6 +21,8 @@ from ddp_strategy.control import ControlPlane
 from ddp_strategy.positions import Position
 from tests.proc import SCRIPTS, Run, run_script
 
+pytestmark = pytest.mark.serial  # timeouts of seconds, and no report for a merely slow rank: run alone (make test)
+
 TORCH = os.sep + os.path.join("venv", "lib", "torch")
 CONTROL = os.path.join(os.path.dirname(os.path.dirname(hw.__file__)), "control.py")
 

@@ -108,6 +108,7 @@ def test_two_fits_and_validate_in_one_process(tmp_path):
 
 
 @pytest.mark.compat
+@pytest.mark.serial
 def test_barrier_reached_only_by_rank0_is_named_within_seconds_whatever_the_barrier_timeout(tmp_path):
     run = run_scenario("barrier_rank0_only", tmp_path, "--barrier-timeout", "600", timeout=90)
     assert_clean_failure(run, "CollectiveMismatchError", "barrier 'only_rank0'", "rank(s) 1 never arrived")
@@ -118,6 +119,7 @@ def test_barrier_reached_only_by_rank0_is_named_within_seconds_whatever_the_barr
 
 
 @pytest.mark.compat
+@pytest.mark.serial
 def test_barrier_reached_only_by_rank0_raises_naming_rank1_after_the_timeout_without_desync_detection(tmp_path):
     timeout = 5
     run = run_scenario(
@@ -136,6 +138,7 @@ def test_barrier_reached_only_by_rank0_raises_naming_rank1_after_the_timeout_wit
     assert run.seconds < timeout + 40, run.describe()
 
 
+@pytest.mark.serial
 def test_barrier_reached_only_by_rank1_raises_naming_rank0(tmp_path):
     run = run_scenario("barrier_rank1_only", tmp_path, "--barrier-timeout", "600", timeout=90)
     assert_clean_failure(run, "CollectiveMismatchError", "barrier 'only_rank1'", "rank(s) 0 never arrived")
@@ -185,6 +188,7 @@ def test_stock_lightning_does_not_compare_versions(tmp_path):
     assert run.result is not None and run.result["global_step"] == 8  # 2 epochs of 4 steps: trained to the end
 
 
+@pytest.mark.serial
 def test_rank_failing_before_handshake_stops_the_others_early(tmp_path):
     run = run_scenario("crash_rank1_before_handshake", tmp_path, "--barrier-timeout", "120")
     assert_clean_failure(run, "injected failure on rank 1", "failed with ValueError: injected failure on rank 1")
@@ -200,6 +204,7 @@ def main_thread_frames(dump: str) -> list[str]:
     raise AssertionError(f"no main thread in:\n{dump}")
 
 
+@pytest.mark.serial
 def test_stock_lightning_hangs_on_rank0_only_barrier(tmp_path):
     """The gap, as it shows: with stock DDPStrategy, rank 0 sits inside torch.distributed.barrier while rank 1 has
     trained past the barrier into the step's gradient all-reduce, and nothing names the barrier. Both ranks dump

@@ -19,6 +19,8 @@ from ddp_strategy.errors import CollectiveMismatchError
 from ddp_strategy.peers import PeerDiagnosis, diagnose_failed_peers
 from tests.test_control import DeadStore
 
+pytestmark = pytest.mark.serial  # waits bounded in fractions of a second: run alone (make test)
+
 WAIT = 1.0  # max(1 s, 3 heartbeat intervals) with the 0.05 s heartbeat used here
 
 

@@ -16,6 +16,8 @@ from ddp_strategy.callbacks import StragglerMonitor
 from ddp_strategy.callbacks.straggler import PHASES
 from tests.proc import SCRIPTS, run_script
 
+pytestmark = pytest.mark.serial  # which rank is slow is measured in seconds: run alone (make test)
+
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -71,11 +73,20 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _start(args: list[str], env: dict[str, str] | None, prefix: list[str] | None = None) -> subprocess.Popen[str]:
-    """``[prefix...] python args...`` from the repository root, in a new session, output piped (text)."""
+def _start(
+    args: list[str], env: dict[str, str] | None, prefix: list[str] | None = None
+) -> tuple[subprocess.Popen[str], Path | None]:
+    """``[prefix...] python args...`` from the repository root, in a new session, output piped (text).
+
+    A torchrun (``-m torch.distributed.run``) gets a private ``TMPDIR``, returned to be removed after the run: its
+    agent makes a ``torchelastic_*`` log folder in the temporary directory and never removes it.
+    """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
-    return subprocess.Popen(
+    private_tmp = Path(tempfile.mkdtemp(prefix="proc-torchrun-")) if "torch.distributed.run" in args else None
+    if private_tmp is not None:
+        full_env["TMPDIR"] = str(private_tmp)
+    proc = subprocess.Popen(
         [*(prefix or []), sys.executable, *args],
         cwd=ROOT,
         env=full_env,
@@ -84,6 +95,17 @@ def _start(args: list[str], env: dict[str, str] | None, prefix: list[str] | None
         start_new_session=True,
         text=True,
     )
+    return proc, private_tmp
+
+
+def _end(proc: subprocess.Popen[str], private_tmp: Path | None) -> None:
+    """Every exit path of a run: kill its group, close its pipe, reap it, remove its private ``TMPDIR``."""
+    kill_group(proc.pid)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    proc.wait()
+    if private_tmp is not None:
+        shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def _orphans_left(pgid: int) -> bool:
@@ -104,7 +126,7 @@ def run_script(
 ) -> Run:
     """Run ``[prefix...] python args...`` from the repository root with a hard timeout; kill its process group."""
     start = time.monotonic()
-    proc = _start(args, env, prefix)
+    proc, private_tmp = _start(args, env, prefix)
     timed_out = False
     try:
         try:
@@ -116,11 +138,7 @@ def run_script(
         seconds = time.monotonic() - start
         orphans = _orphans_left(proc.pid)
     finally:
-        # Every exit path, including an exception raised inside communicate() (pytest-timeout, Ctrl-C).
-        kill_group(proc.pid)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        proc.wait()
+        _end(proc, private_tmp)  # every exit path, including an exception inside communicate() (pytest-timeout, Ctrl-C)
     result = json.loads(out.read_text()) if out is not None and out.exists() else None
     return Run(proc.returncode, output, seconds, timed_out, orphans, result)
 
@@ -135,7 +153,7 @@ def run_script_until(
     hard timeout, the group kill in every exit path and the orphan check are :func:`run_script`'s.
     """
     start = time.monotonic()
-    proc = _start(args, env)
+    proc, private_tmp = _start(args, env)
     lines: list[str] = []
     last_line = [start]
 
@@ -164,9 +182,7 @@ def run_script_until(
     finally:
         kill_group(proc.pid)
         reader.join(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        proc.wait()
+        _end(proc, private_tmp)
     return Run(proc.returncode, "".join(lines), seconds, timed_out, orphans, None, stopped)
 
 

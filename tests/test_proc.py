@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc import ROOT, _group_alive, kill_group
+from tests.proc import ROOT, _group_alive, kill_group, run_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,3 +141,15 @@ def test_sigterm_to_pytest_runs_the_finally_that_kills_the_scripts_group(tmp_pat
         for pid in found:
             with contextlib.suppress(ProcessLookupError):
                 kill_group(os.getpgid(pid))
+
+
+def test_a_torchrun_leaves_no_torchelastic_folder_behind():
+    # torchrun's agent makes a torchelastic_* log folder in the temporary directory and never removes it: each run
+    # gets a private TMPDIR, removed after it (the folder was there while the run lasted)
+    listing = "echo tmpdir=$TMPDIR; ls -d $TMPDIR/torchelastic_*"
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--no-python", "sh", "-c", listing]
+    run = run_script(cmd, timeout=60)
+    assert run.returncode == 0 and not run.orphans, run.describe()
+    private = Path(re.search(r"tmpdir=(\S+)", run.output).group(1))  # type: ignore[union-attr]
+    assert re.search(rf"{re.escape(str(private))}/torchelastic_\w+", run.output), run.describe()
+    assert private.name.startswith("proc-torchrun-") and not private.exists()

@@ -105,6 +105,7 @@ TARGETS = {
 }
 
 
+@pytest.mark.serial  # every rank out within EXIT_BOUND_SECONDS: run alone (make test)
 @pytest.mark.parametrize(
     "target",
     [
@@ -128,6 +129,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_bit
     assert diff == 0.0
 
 
+@pytest.mark.serial  # every rank out within EXIT_BOUND_SECONDS: run alone (make test)
 def test_sigusr1_is_handled_when_listed(tmp_path):
     # SLURM's --signal=USR1@N: listed in preemption_signals, it stops the run like SIGTERM, with exit code 138
     opts = ["--fault", "signal:1:5:SIGUSR1", "--preemption-signals", "SIGTERM,SIGUSR1"]
@@ -135,6 +137,7 @@ def test_sigusr1_is_handled_when_listed(tmp_path):
     assert stop.receivers == {1} and diff == 0.0
 
 
+@pytest.mark.serial  # every rank out within EXIT_BOUND_SECONDS: run alone (make test)
 @pytest.mark.parametrize("target", ["all-ranks", "rank0-only", pytest.param("rank1-only", marks=pytest.mark.compat)])
 def test_spawn_launcher_exits_143_and_resumes_bit_exact(tmp_path, target):
     # the spawn launcher's main process is no rank: it exits with the code the ranks stopped with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ def finished(run: Any, opts: tuple[str, ...]) -> bool:
     return stock_fit_finished(run) if "ddp" in opts else run.returncode == 0 and not run.orphans
 
 
-# training options -> (final weights, global step) of the straight 4-epoch run
-_UNINTERRUPTED: dict[tuple[str, ...], tuple[Path, int]] = {}
+# training options -> (final weights, global step, per-step all-reduces) of the straight 4-epoch run
+_UNINTERRUPTED: dict[tuple[str, ...], tuple[Path, int, Path]] = {}
 
 
 def uninterrupted_run(tmp_path: Path, opts: tuple[str, ...]) -> tuple[Path, int]:
@@ -37,13 +38,34 @@ def uninterrupted_run(tmp_path: Path, opts: tuple[str, ...]) -> tuple[Path, int]
     Checkpointing options (``--async-save``) do not change training, so callers pass only training options; the
     epoch-boundary and mid-epoch tests of one configuration compare against the same run.
     """
+    full, steps, _ = uninterrupted_reductions(tmp_path, opts)
+    return full, steps
+
+
+def uninterrupted_reductions(tmp_path: Path, opts: tuple[str, ...]) -> tuple[Path, int, Path]:
+    """:func:`uninterrupted_run`, and the directory of its per-step gradient all-reduces (``--reduction-log``)."""
     if opts not in _UNINTERRUPTED:
-        full = tmp_path / "full.pt"
-        run = run_scenario("fit_ok", tmp_path, "--max-epochs", "4", "--save-weights", str(full), *opts)
+        full, log = tmp_path / "full.pt", tmp_path / "full-reductions"
+        run = run_scenario(
+            "fit_ok", tmp_path, "--max-epochs", "4", "--save-weights", str(full), "--reduction-log", str(log), *opts
+        )
         assert finished(run, opts), run.describe()
         assert run.result is not None and run.result["global_step"] > 0
-        _UNINTERRUPTED[opts] = (full, run.result["global_step"])
+        _UNINTERRUPTED[opts] = (full, run.result["global_step"], log)
     return _UNINTERRUPTED[opts]
+
+
+def reductions(directory: Path) -> dict[int, list[Any]]:
+    """Per global step, the gradient all-reduces of that step's backward (``scenario.py --reduction-log``)."""
+    return {int(step): layout for step, layout in json.loads((directory / "reductions.json").read_text()).items()}
+
+
+def first_step_reduced_differently(full: Path, resumed: Path) -> int | None:
+    """The first step the resumed run reduced its gradients otherwise than the uninterrupted run (buckets, order of
+    the parameters inside them, sizes), or ``None``; the resumed run's steps must all be in the uninterrupted log."""
+    straight, again = reductions(full), reductions(resumed)
+    assert again and set(again) <= set(straight), (sorted(again), sorted(straight))
+    return next((step for step in sorted(again) if again[step] != straight[step]), None)
 
 
 def interrupted_vs_uninterrupted(
@@ -60,15 +82,15 @@ def interrupted_vs_uninterrupted(
     training options (the straight run is shared between tests with the same ones), ``save_opts`` are passed to the
     interrupted and resumed runs only.
     """
-    full, full_steps = uninterrupted_run(tmp_path, opts)
-    resumed, ckpt = tmp_path / "resumed.pt", str(tmp_path / "ckpt")
+    full, full_steps, full_log = uninterrupted_reductions(tmp_path, opts)
+    resumed, ckpt, resumed_log = tmp_path / "resumed.pt", str(tmp_path / "ckpt"), tmp_path / "resumed-reductions"
     cadence = ["--every-n-train-steps", "5"] if mid_epoch else []
     stop = ["--max-steps", "5", "--max-epochs", "4"] if mid_epoch else ["--max-epochs", "2"]
     runs = [
         run_scenario("fit_ok", tmp_path, *stop, "--ckpt-dir", ckpt, *cadence, *opts, *save_opts),
         run_scenario(
             "fit_ok", tmp_path, "--max-epochs", "4", "--ckpt-dir", ckpt, *cadence, "--resume", "last",
-            "--save-weights", str(resumed), *opts, *save_opts,
+            "--save-weights", str(resumed), "--reduction-log", str(resumed_log), *opts, *save_opts,
         ),
     ]  # fmt: skip
     for run in runs:
@@ -78,6 +100,8 @@ def interrupted_vs_uninterrupted(
     assert "Restored all states from the checkpoint" in runs[1].output
     assert runs[1].result is not None
     assert runs[1].result["global_step"] == full_steps
+    if "ddp" not in opts:  # every resumed step all-reduced like the uninterrupted run's (at any world size, machine)
+        assert first_step_reduced_differently(full_log, resumed_log) is None
     return max_abs_diff(full, resumed)
 
 

@@ -45,13 +45,14 @@ from ._compat.lightning import (
     training_progress,
 )
 from ._compat.torch import collective_status, enable_collective_trace
+from .bucket_layout import BucketLayoutKeeper
 from .callbacks.preemption_stop import PreemptionStop
 from .callbacks.sharding_check import ensure_sharding_check
 from .callbacks.weight_sync import WeightSyncCheck
 from .checkpoint import protocol
 from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
-from .checkpoint.keys import NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
+from .checkpoint.keys import BUCKET_LAYOUT_KEY, NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
 from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
 from .desync import (
@@ -253,6 +254,8 @@ class SafeDDPStrategy(DDPStrategy):
         self._handshake_done = False
         self._failed = False
         self._resumed: dict[str, Any] | None = None  # RNG section of the checkpoint being resumed
+        #: DDP's gradient-bucket layout, saved in checkpoints and restored on resume (bit-exact at 3+ ranks).
+        self.bucket_layout = BucketLayoutKeeper()
         self.async_save = async_save
         if async_snapshot not in _ASYNC_SNAPSHOT:
             raise ValueError(f"`async_snapshot` must be one of {sorted(_ASYNC_SNAPSHOT)}, got {async_snapshot!r}.")
@@ -447,6 +450,13 @@ class SafeDDPStrategy(DDPStrategy):
             add_callback(trainer, check, first=True, replace=_ReloadedTrainingBatchesCheck)
         if self.desync_detection and self.lightning_module is not None:
             self._log_sites.install(self.lightning_module)
+
+    @override
+    def configure_ddp(self) -> None:
+        # a resumed run starts with the saved run's gradient buckets (see bucket_layout)
+        self.bucket_layout.world_size = self.world_size
+        with self.bucket_layout.constructing(self.lightning_module):  # type: ignore[arg-type]
+            super().configure_ddp()
 
     def _setup_preemption(self, trainer: pl.Trainer) -> None:
         """For ``fit``: take the preemption signals from Lightning's handlers and add the stop at step boundaries."""
@@ -809,7 +819,7 @@ class SafeDDPStrategy(DDPStrategy):
             "by a process that was not one of the training ranks (the spawn launcher's main process after the run, "
             "or before any stage started): the ranks' RNG states were gone"
         )
-        section = {**package_state(checkpoint), NO_RNG_REASON_KEY: reason}
+        section = {**package_state(checkpoint), **self._layout_entry(), NO_RNG_REASON_KEY: reason}
         super().save_checkpoint({**checkpoint, PACKAGE_KEY: section}, filepath, storage_options=storage_options)
 
     def _collective_save(
@@ -853,9 +863,14 @@ class SafeDDPStrategy(DDPStrategy):
             is_writer=self._is_writer,
             every_writer_needs_states=self.save_on == "node_zero",
             weights=weights,
+            section=self._layout_entry(),
         )
         if check is not None and weights is not None:
             check.agreement.last_step = step  # the ranks agreed at this step: the epoch-end check need not repeat it
+
+    def _layout_entry(self) -> dict[str, Any]:
+        layout = self.bucket_layout.state()
+        return {BUCKET_LAYOUT_KEY: layout} if layout is not None else {}
 
     @property
     def _is_writer(self) -> bool:
@@ -889,18 +904,22 @@ class SafeDDPStrategy(DDPStrategy):
 
         The wait is after the closure (forward and backward, which run beside the copy) and before the update. It
         is installed whenever a writer exists, also when nothing is pending yet: a save made inside
-        ``training_step`` starts its copy during the closure.
+        ``training_step`` starts its copy during the closure. After the step, DDP's pending bucket rebuild runs (see
+        :mod:`ddp_strategy.bucket_layout`).
         """
         writer = self._writer
         if writer is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
 
-        def closure_then_wait_for_snapshot() -> Any:
-            result = closure()  # forward and backward ran beside the copy; the update below must not
-            writer.wait_for_snapshot()
-            return result
+            def closure_then_wait_for_snapshot() -> Any:
+                result = closure()  # forward and backward ran beside the copy; the update below must not
+                writer.wait_for_snapshot()
+                return result
 
-        return super().optimizer_step(optimizer, closure_then_wait_for_snapshot, model, **kwargs)
+            output = super().optimizer_step(optimizer, closure_then_wait_for_snapshot, model, **kwargs)
+        self.bucket_layout.after_optimizer_step(self.model)  # a checkpoint from now on holds the next step's layout
+        return output
 
     def _finish_async_writes(self) -> None:
         """Wait for the last asynchronous write of every writer and make every rank agree on its outcome."""
@@ -957,8 +976,11 @@ class SafeDDPStrategy(DDPStrategy):
             return self.checkpoint_io.load_checkpoint(path, map_location=self.root_device, weights_only=weights_only)
 
         if self._control is None:
-            return read(str(checkpoint_path))
+            checkpoint = read(str(checkpoint_path))
+            self.bucket_layout.resume_from(checkpoint.get(PACKAGE_KEY))
+            return checkpoint
         chosen, checkpoint = protocol.load(control=self._control, read=read, path=str(checkpoint_path))
+        self.bucket_layout.resume_from(checkpoint.get(PACKAGE_KEY))
         protocol.check_resumable(checkpoint, chosen)
         self._loaded_path = chosen
         after_last_batch = protocol.saved_after_last_batch(checkpoint)

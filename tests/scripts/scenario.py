@@ -186,6 +186,29 @@ class BatchLog(pl.Callback):
             json.dump(self.batches, f)
 
 
+class ReductionLog(pl.Callback):
+    """Rank 0 writes DIR/reductions.json: per global step, the gradient all-reduces DDP ran in that step's backward
+    (one per bucket, in order: the parameter names in the bucket, in buffer order, and the element count). Two runs
+    whose logs agree at a step added every gradient in the same order at that step, on any machine."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.steps = directory, {}  # type: ignore[var-annotated]
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        model = trainer.strategy.model
+        if trainer.global_rank != 0 or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return
+        from ddp_strategy._compat.torch import ddp_bucket_parameters
+
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        buckets = ddp_bucket_parameters(model)
+        layout = [[[names[id(p)] for p in b], sum(p.numel() for p in b)] for b in buckets]
+        self.steps[str(trainer.global_step)] = layout
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, "reductions.json"), "w") as f:
+            json.dump(self.steps, f)
+
+
 class SignalOnSave(pl.Callback):
     """Rank 0 sends itself SIGTERM inside every checkpoint save from ``step`` on (a second signal during a save)."""
 
@@ -204,6 +227,8 @@ def callbacks(args: argparse.Namespace) -> list[Any]:
         found.append(SignalOnSave(args.signal_on_save))
     if args.batch_log:
         found.append(BatchLog(args.batch_log))
+    if args.reduction_log:
+        found.append(ReductionLog(args.reduction_log))
     if args.load_report:
         found.append(LoadReport(args.load_report))
     if args.dump_stacks_after:
@@ -342,6 +367,7 @@ def main() -> None:
     parser.add_argument("--no-desync", action="store_true", help="SafeDDPStrategy(desync_detection=False)")
     parser.add_argument("--signal-on-save", type=int, default=0, help="rank 0: SIGTERM inside saves from step N")
     parser.add_argument("--batch-log", help="every rank writes its first epoch's training batches to DIR")
+    parser.add_argument("--reduction-log", help="rank 0 writes each step's gradient all-reduces to DIR")
     args = parser.parse_args()
 
     def report_process_group_at_exit() -> None:  # registered first, so it runs after the strategy's own handler

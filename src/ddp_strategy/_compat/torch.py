@@ -6,6 +6,8 @@ import ctypes
 import os
 import pickle
 import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,13 +17,16 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = [
     "collective_status",
     "collective_trace",
+    "ddp_bucket_parameters",
     "ddp_comm_hooks",
+    "ddp_construction_buckets",
     "default_store",
     "detach_ddp_reducer",
     "enable_collective_trace",
     "gloo_worker_threads",
     "new_store_connection",
     "pin_python_thread_states",
+    "rebuild_ddp_buckets",
     "reset_per_bucket_hook_state",
     "sync_ddp_buffers",
     "tensor_version",
@@ -56,6 +61,53 @@ def ddp_comm_hooks(model: DistributedDataParallel) -> list[tuple[Any, Any]]:
     DDP's own mixed-precision upcast hook and built-in C++ hooks do not.
     """
     return list(getattr(model, "_comm_hooks", []))
+
+
+def rebuild_ddp_buckets(model: DistributedDataParallel) -> bool:
+    """Run DDP's one-time bucket rebuild now if it is pending (DDP would run it at the next forward); collective.
+
+    DDP records the order in which gradients become ready during its first synchronised backward pass and, at the
+    start of the next forward pass, reassigns parameters to buckets in that order and broadcasts the assignment from
+    rank 0. This runs that same step earlier. Every rank must call it at the same point (after the same backward).
+
+    Returns:
+        Whether the buckets were rebuilt by this call (``False``: nothing pending, or rebuilt already).
+
+    """
+    return bool(model.reducer._rebuild_buckets())
+
+
+def ddp_bucket_parameters(model: DistributedDataParallel) -> list[list[torch.Tensor]]:
+    """The parameters of each of DDP's gradient buckets, in bucket order and, inside a bucket, in buffer order.
+
+    torch exposes the buckets only with a zero-filled copy of each bucket's gradients: a transient allocation of the
+    size of the gradients, freed on return.
+    """
+    return [list(bucket.parameters()) for bucket in model.reducer._get_zeros_like_grad_buckets()]
+
+
+@contextmanager
+def ddp_construction_buckets(choose: Callable[[Sequence[torch.Tensor]], list[list[int]] | None]) -> Iterator[None]:
+    """Inside, a ``DistributedDataParallel`` under construction takes its initial buckets from ``choose``.
+
+    DDP computes its construction buckets with ``dist._compute_bucket_assignment_by_size(parameters, ...)`` and
+    reverses the list of buckets it gets. ``choose(parameters)`` returns bucket indices into ``parameters`` in the
+    order the buckets are to be reduced, or ``None`` to keep DDP's own assignment.
+    """
+    original = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
+
+    def assign(tensors: Sequence[torch.Tensor], limits: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        indices, per_bucket_limits = original(list(tensors), list(limits), *args, **kwargs)
+        chosen = choose(tensors)
+        if chosen is None:
+            return indices, per_bucket_limits
+        return list(reversed(chosen)), [max(per_bucket_limits)] * len(chosen)  # DDP reverses them back
+
+    setattr(dist, "_compute_bucket_assignment_by_size", assign)  # noqa: B010 (a private name mypy cannot see)
+    try:
+        yield
+    finally:
+        setattr(dist, "_compute_bucket_assignment_by_size", original)  # noqa: B010
 
 
 def reset_per_bucket_hook_state(state: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NO_RNG_REASON_KEY", "PACKAGE_KEY", "RNG_STATES_KEY", "WORLD_SIZE_KEY", "package_state"]
+__all__ = ["BUCKET_LAYOUT_KEY", "NO_RNG_REASON_KEY", "PACKAGE_KEY", "RNG_STATES_KEY", "WORLD_SIZE_KEY", "package_state"]
 
 #: ``checkpoint[PACKAGE_KEY]`` holds everything this package adds; the rest is Lightning's own layout.
 PACKAGE_KEY = "ddp_strategy"
@@ -12,6 +12,8 @@ PACKAGE_KEY = "ddp_strategy"
 WORLD_SIZE_KEY = "world_size"
 #: One RNG-state dict per rank, indexed by global rank (see :mod:`ddp_strategy.checkpoint.rng`).
 RNG_STATES_KEY = "rng_states"
+#: DDP's gradient-bucket layout that the saving run's next step reduces with (see :mod:`ddp_strategy.bucket_layout`).
+BUCKET_LAYOUT_KEY = "ddp_bucket_layout"
 #: Why a checkpoint written by ``SafeDDPStrategy`` holds no RNG states (it was saved where no rank was reachable).
 NO_RNG_REASON_KEY = "no_rng_states_because"
 

@@ -56,6 +56,7 @@ def save(
     is_writer: bool,
     every_writer_needs_states: bool = False,
     weights: Comparison | None = None,
+    section: dict[str, Any] | None = None,
 ) -> None:
     """Collectively save ``checkpoint`` (see the module docstring). Every rank must call it.
 
@@ -67,6 +68,7 @@ def save(
         is_writer: whether this rank writes a copy (global rank 0, or local rank 0 of each node).
         every_writer_needs_states: gather the RNG states onto every rank (several writers) instead of rank 0 only.
         weights: the weights every rank must hold identically for the checkpoint to be written, or ``None``.
+        section: more entries of the ``ddp_strategy`` section (the writer's are written).
 
     Raises:
         CheckpointWriteError: on every rank, when any writer failed; the previous file is intact. A writer whose
@@ -90,7 +92,8 @@ def save(
             divergence = compare([digests for _, digests in gathered])
             if divergence is not None:
                 return divergence  # never write a checkpoint of ranks that disagree
-        write({**checkpoint, PACKAGE_KEY: {WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}})
+        package = {**(section or {}), WORLD_SIZE_KEY: control.world_size, RNG_STATES_KEY: states}
+        write({**checkpoint, PACKAGE_KEY: package})
         return None
 
     def write_error(failed: list[RankFailure]) -> BaseException:

@@ -185,7 +185,7 @@ class DeadStore:
         if not self.alive:
             raise RuntimeError("Connection reset by peer")
 
-    set = get = multi_get = check = wait = delete_key = _call
+    set = get = multi_get = check = wait = delete_key = add = append = compare_set = _call
 
 
 def test_unreachable_store_is_reported_as_rank0_gone():

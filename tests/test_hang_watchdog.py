@@ -28,7 +28,7 @@ CONTROL = os.path.join(os.path.dirname(os.path.dirname(hw.__file__)), "control.p
 
 
 def test_locate_names_a_control_plane_barrier_from_the_position():
-    stack = [(CONTROL, 300, "_wait_all"), (CONTROL, 250, "barrier"), ("/home/u/train.py", 12, "training_step")]
+    stack = [(CONTROL, 300, "_await_outcome"), (CONTROL, 250, "barrier"), ("/home/u/train.py", 12, "training_step")]
     position = Position(kind="barrier", name="save", site="train.py:12 in training_step")
     assert hw.locate(stack, position) == ("waiting", "barrier 'save' at train.py:12 in training_step")
 

@@ -195,7 +195,7 @@ class GoneStore:
         self.calls += 1
         raise RuntimeError("Connection reset by peer")
 
-    set = get = multi_get = check = wait = delete_key = _call
+    set = get = multi_get = check = wait = delete_key = add = append = compare_set = _call
 
 
 def test_a_blocked_peer_names_rank0s_error_after_rank0_and_its_store_are_gone(planes, caplog):

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import torch.distributed as dist
 
@@ -30,6 +30,18 @@ from ._compat.torch import default_store, new_store_connection
 from .errors import CollectiveMismatchError, DDPStrategyError
 from .object_collectives import KeepAlive, all_gather_objects, broadcast_object, gather_objects
 from .positions import Position, call_site, format_ranks
+from .store_barrier import (
+    POSITION_KEY,
+    PUBLISHED_KEY,
+    SHOWN_POSITIONS,
+    Outcome,
+    abort,
+    arrive,
+    done_key,
+    leave,
+    read_positions_of,
+    scan_interval,
+)
 
 if TYPE_CHECKING:
     from .peers import PeerDiagnosis
@@ -50,13 +62,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-_POSITION_KEY = "pos/{rank}"
-_ARRIVAL_KEY = "barrier/{seq}/{rank}"
+_POSITION_KEY = POSITION_KEY
 _FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' heartbeat threads look for it
-_SEEN_KEY = "failure/seen/{rank}"  # a peer has read that failure (the failed store host waits for these)
+_FAILURES_KEY = "failure/count"  # how many ranks published a failure
+_SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
 _UNNAMED = "<unnamed>"
-# back-off of a waiting barrier's polls of the store (seconds): the first and the longest pause
-_FIRST_POLL, _LAST_POLL = 0.0005, 0.02
+# a barrier's first look at `done` before it blocks: the common case, every rank arriving within a few ms
+_QUICK_POLLS, _QUICK_POLL = 4, 0.002
+# how long a rank that is not the leader waits past the timeout for the leader's verdict before making its own
+_LEADER_GRACE = 5.0
 _REASONS = {"failed": "failed before arriving", "went_on": "went on without entering it"}
 
 
@@ -83,6 +97,15 @@ class Store(Protocol):
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (created at 0) and return its new value."""
+
+    def append(self, key: str, value: str) -> None:
+        """Append ``value`` to the value of ``key`` (created empty)."""
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is ``""``).
+
+        Returns the value of ``key`` afterwards.
+        """
 
 
 def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:
@@ -221,6 +244,24 @@ def _chain_last(err: BaseException, first: BaseException) -> None:
         tail.__context__ = first
 
 
+class _DoneWaiter:
+    """A blocking ``wait`` for one key on a thread of its own; :attr:`finished` is set when it returns or fails."""
+
+    def __init__(self, store: Store, key: str, timeout: float) -> None:
+        self.finished = threading.Event()
+        self.error: Exception | None = None
+        self._store, self._key, self._timeout = store, key, timedelta(seconds=max(1.0, timeout))
+        threading.Thread(target=self._run, name="ddp_strategy-barrier-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._store.wait([self._key], self._timeout)
+        except Exception as err:  # handed to the waiting thread, which names it
+            self.error = err
+        finally:
+            self.finished.set()
+
+
 class ControlPlane:
     """Coordination between the ranks of one strategy run.
 
@@ -268,6 +309,7 @@ class ControlPlane:
         # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
         self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
+        self._waiter_store: Store | None = None  # a barrier's blocking wait, on a connection of its own
         # tensors of recent collectives on the gloo group, freed on this thread (see object_collectives)
         self._keep = keep if keep is not None else KeepAlive()
         #: ``(exception, diagnosis)`` of this rank's failure, kept by :func:`~ddp_strategy.peers.diagnose_failed_peers`
@@ -287,9 +329,11 @@ class ControlPlane:
         #: the desync every rank agreed on (see :mod:`ddp_strategy.desync`); a waiting barrier raises it at once
         self.desync_error: CollectiveMismatchError | None = None
         self._publish(self._position)
+        store.append(PUBLISHED_KEY, f"{rank}\n")  # scans read the positions of these ranks only
+        self._beats: threading.Thread | None = None  # runs the beat hooks (see add_beat), started by the first
         if world_size > 1 and heartbeat_interval > 0:
             self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop, name=f"ddp_strategy-heartbeat-rank{rank}", daemon=True
+                target=self._heartbeat_loop, name=f"ddp_strategy-pulse-rank{rank}", daemon=True
             )
             self._heartbeat.start()
 
@@ -318,11 +362,11 @@ class ControlPlane:
         token = broadcast_object(uuid.uuid4().hex, src=0, rank=rank, group=group, keep=keep)
         base = default_store()
         prefix = f"ddp_strategy/{token}/"
-        store: Store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        store = cast(Store, dist.PrefixStore(prefix, base))  # type: ignore[attr-defined]
         heartbeat_store: Store | None = None
 
         def connect() -> Store:
-            return dist.PrefixStore(prefix, new_store_connection(base))  # type: ignore[attr-defined]
+            return cast(Store, dist.PrefixStore(prefix, new_store_connection(base)))  # type: ignore[attr-defined]
 
         if world_size > 1:  # a second connection, so the heartbeat never waits behind a blocking wait()
             heartbeat_store = connect()
@@ -355,7 +399,7 @@ class ControlPlane:
         gate = cls(
             rank=rank,
             world_size=world_size,
-            store=dist.PrefixStore(f"ddp_strategy/outside-run/{call}/", base),  # type: ignore[attr-defined]
+            store=cast(Store, dist.PrefixStore(f"ddp_strategy/outside-run/{call}/", base)),  # type: ignore[attr-defined]
             group=None,
             timeout=timeout,
             heartbeat_interval=0,
@@ -424,11 +468,19 @@ class ControlPlane:
         self._ledger = (calls, digest)
 
     def add_beat(self, hook: Callable[[Store], None]) -> None:
-        """Run ``hook(store)`` on the heartbeat thread at every beat, before the position is published.
+        """Run ``hook(store)`` at every beat (each heartbeat interval, 0.2 s with :attr:`fast_beat`).
 
-        ``store`` is the heartbeat thread's own connection. An exception from ``hook`` is logged, not raised.
+        The hooks run on a thread of their own (``ddp_strategy-heartbeat-rank<r>``, started with the first hook),
+        apart from the thread that publishes the heartbeat: a slow hook never delays the heartbeat. ``store`` is the
+        beat thread's own connection. When the hooks changed what this rank waits in (:meth:`set_waiting`), the
+        position is published right after them. An exception from ``hook`` is logged, not raised.
         """
         self._beat_hooks.append(hook)
+        if self._beats is None and self._heartbeat is not None:
+            self._beats = threading.Thread(
+                target=self._beat_loop, name=f"ddp_strategy-heartbeat-rank{self.rank}", daemon=True
+            )
+            self._beats.start()
 
     def _published(self, position: Position, when: float) -> Position:
         epoch, epoch_batch = self._progress
@@ -452,16 +504,36 @@ class ControlPlane:
     def _publish(self, position: Position) -> None:
         self._store.set(_POSITION_KEY.format(rank=self.rank), self._published(position, time.time()).to_json())
 
-    def _beat(self) -> None:
-        for hook in self._beat_hooks:
+    def _beat(self, store: Store) -> None:
+        for hook in list(self._beat_hooks):
             try:
-                hook(self._heartbeat_store)
-            except Exception as err:  # a diagnosis must never stop the heartbeat
+                hook(store)
+            except Exception as err:  # a diagnosis must never stop the beats
                 log.warning("ddp_strategy: rank %d: a heartbeat task failed: %r", self.rank, err)
 
-    def _heartbeat_loop(self) -> None:
+    def _going_down(self) -> bool:
+        """Whether the store may be gone any moment: the ranks agreed on a desync, or rank 0 failed."""
+        return self.desync_error is not None or (self._peer_failure is not None and self._peer_failure[0] == 0)
+
+    def _beat_loop(self) -> None:
+        try:
+            store = self.connect()
+        except Exception as err:  # the store is gone before the first beat
+            log.debug("ddp_strategy: rank %d: no connection for the beat hooks: %s", self.rank, err)
+            return
         while not self._stop.wait(0.2 if self.fast_beat else self._heartbeat_interval):
-            self._beat()
+            if self._peer_failure is not None and self._peer_failure[0] == 0:
+                return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
+            waiting = self._waiting
+            self._beat(store)
+            if self._waiting != waiting and not self._going_down():
+                try:
+                    self.publish_heartbeat(store)  # the others see the new wait now, not at the next heartbeat
+                except Exception as err:  # the publisher thread reports a gone store
+                    log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_interval):
             if self.desync_error is not None:
                 continue  # the ranks agreed on a desync and are going down: rank 0's store may be gone any moment
             try:
@@ -489,7 +561,7 @@ class ControlPlane:
         position = Position.from_json(store.get(key))
         if position.kind == "failed":
             self._peer_failure = (failed, position)
-            store.set(_SEEN_KEY.format(rank=self.rank), str(failed))
+            store.add(_SEEN_KEY, 1)
 
     @property
     def peer_failure(self) -> tuple[int, Position] | None:
@@ -572,15 +644,22 @@ class ControlPlane:
             return
         try:
             self._publish(self._position)
-            keys = [_ARRIVAL_KEY.format(seq=seq, rank=r) for r in range(self.world_size)]
-            self._store.set(keys[self.rank], name)
+            arrival = arrive(self._store, seq, self.rank, self.world_size, name)
         except Exception as err:
             raise self._store_lost(name, site, err) from err
-        self._wait_all(keys, name, site, seq, entered, passed)
-        names = [value.decode() for value in self._store.multi_get(keys)]
-        self._check_names(name, site, names)
-        if seq > 0:  # every rank has passed barrier seq-1 once all arrived at seq: its key can go
-            self._store.delete_key(_ARRIVAL_KEY.format(seq=seq - 1, rank=self.rank))
+        outcome = arrival.outcome
+        if outcome is None:
+            self._in_barrier = (f"barrier {seq} '{name}'", entered)
+            try:
+                outcome = self._await_outcome(seq, name, site, entered, arrival.leader, passed)
+            finally:
+                self._in_barrier = None
+        try:
+            leave(self._store, seq, self.world_size)
+        except Exception as err:  # the outcome is known; only the clean-up failed
+            log.debug("ddp_strategy: rank %d could not clean up barrier %d: %s", self.rank, seq, err)
+        if not outcome.ok:
+            raise self._outcome_error(outcome, name, site, time.time() - entered)
 
     def all_gather_object(
         self, obj: T, name: str, *, site: str | None = None, passed: Callable[[Position], bool] | None = None
@@ -700,76 +779,118 @@ class ControlPlane:
                 raise
             raise err from own
 
-    def _wait_all(
-        self,
-        keys: list[str],
-        name: str,
-        site: str,
-        seq: int,
-        entered: float,
-        passed: Callable[[Position], bool] | None = None,
-    ) -> None:
-        """Wait for every arrival key; fail early when a missing rank has published a failure or went past.
+    def _await_outcome(
+        self, seq: int, name: str, site: str, entered: float, leader: bool, passed: Callable[[Position], bool] | None
+    ) -> Outcome:
+        """Wait until barrier ``seq`` is decided (see :mod:`ddp_strategy.store_barrier`) and return how it ended.
 
-        Polls with ``check`` (back-off from 0.5 ms to 20 ms) rather than a store ``wait`` with a timeout: every
-        timed-out ``wait`` of a ``TCPStore`` client logs two ``[c10d] waitForInput ... timed out`` warnings, which
-        flooded the output of a barrier that some rank never reaches. Missing ranks' positions are read once per
-        poll interval.
+        A few quick looks first (every rank arriving within milliseconds is the common case); then a blocking
+        ``wait`` for ``done`` on a thread of its own, so that the store does no work while ranks wait and this thread
+        stays responsive (Ctrl-C, an agreed desync). The leader (the first to arrive) scans the missing ranks once
+        per scan interval and decides when one failed or went past, and at ``timeout``; another rank decides for
+        itself only when the leader has not ``_LEADER_GRACE`` seconds after the timeout.
         """
-        self._in_barrier = (f"barrier {seq} '{name}'", entered)
+        key = done_key(seq)
         try:
-            self._wait_all_keys(keys, name, site, entered, passed)
-        finally:
-            self._in_barrier = None
-
-    def _wait_all_keys(
-        self, keys: list[str], name: str, site: str, entered: float, passed: Callable[[Position], bool] | None
-    ) -> None:
+            for _ in range(_QUICK_POLLS):
+                if self._store.check([key]):
+                    return Outcome.from_value(self._store.get(key))
+                time.sleep(_QUICK_POLL)
+        except Exception as err:
+            raise self._store_lost(name, site, err) from err
         deadline = entered + self.timeout.total_seconds()
-        delay = _FIRST_POLL
-        next_look = time.time() + self._poll_interval
-        while True:
-            if self.desync_error is not None:  # the ranks' collectives diverged: this barrier is never completed
-                raise self.desync_error
-            try:
-                if self._store.check(keys):
-                    return
-            except Exception as err:
-                raise self._store_lost(name, site, err) from err
-            now = time.time()
-            if now >= next_look or now >= deadline:
-                next_look = now + self._poll_interval
-                missing = self._missing(keys, name, site)
-                if not missing:
-                    return
-                positions = {rank: self._safe_read_position(rank) for rank in missing}
-                failed = any(p is not None and p.kind == "failed" for p in positions.values())
-                went_on = passed is not None and any(
-                    p is not None and p.kind != "failed" and passed(p) for p in positions.values()
-                )
-                if failed or went_on or now >= deadline:
-                    reason = "failed" if failed else "went_on" if went_on else "missing"
-                    raise self._timeout_error(name, site, positions, now - entered, reason)
-            time.sleep(max(0.0, min(delay, deadline - now, next_look - now)))
-            delay = min(2 * delay, _LAST_POLL)
-
-    def _safe_read_position(self, rank: int) -> Position | None:
+        waiter = _DoneWaiter(self._waiting_store(), key, deadline + _LEADER_GRACE + 60 - time.time())
+        interval = scan_interval(self._poll_interval, self.world_size)
+        next_scan = time.time() + interval
         try:
-            return self.read_position(rank)
-        except Exception:  # best effort: the error being raised is what matters
-            return None
-
-    def _missing(self, keys: Sequence[str], name: str, site: str) -> list[int]:
+            while not waiter.finished.wait(min(0.5, interval)):
+                if self.desync_error is not None:  # the ranks' collectives diverged: this barrier is never completed
+                    abort(self._store, seq, Outcome("desync", by=self.rank))
+                    raise self.desync_error
+                now = time.time()
+                mine = leader or now >= deadline + _LEADER_GRACE
+                if mine and (now >= next_scan or now >= deadline):
+                    next_scan = now + interval
+                    self._scan(seq, deadline, passed)
+        except KeyboardInterrupt:
+            self._abort_quietly(seq, Outcome("interrupted", missing=(self.rank,), by=self.rank))
+            raise
+        except CollectiveMismatchError:
+            raise
+        except Exception as err:
+            raise self._store_lost(name, site, err) from err
+        if waiter.error is not None:
+            raise self._store_lost(name, site, waiter.error) from waiter.error
         try:
-            return [r for r, key in enumerate(keys) if not self._store.check([key])]
+            return Outcome.from_value(self._store.get(key))
         except Exception as err:
             raise self._store_lost(name, site, err) from err
 
-    def _timeout_error(
-        self, name: str, site: str, positions: dict[int, Position | None], waited: float, reason: str
-    ) -> CollectiveMismatchError:
+    def _scan(self, seq: int, deadline: float, passed: Callable[[Position], bool] | None) -> None:
+        """The leader's look at the missing ranks: end the barrier when one failed, went past, or at the deadline."""
+        from .store_barrier import arrived
+
+        here = arrived(self._store, seq)
+        missing = [rank for rank in range(self.world_size) if rank not in here]
+        if not missing:
+            return  # the last rank is deciding right now
+        positions = read_positions_of(self._store, missing)
+        failed = [r for r, p in positions.items() if p is not None and p.kind == "failed"]
+        went_on = passed is not None and any(
+            p is not None and p.kind != "failed" and passed(p) for p in positions.values()
+        )
+        if not (failed or went_on or time.time() >= deadline):
+            return
+        reason = "failed" if failed else "went_on" if went_on else "missing"
+        shown = (failed + [r for r in missing if r not in failed])[:SHOWN_POSITIONS]
+        outcome = Outcome(reason, tuple(missing), {r: positions[r] for r in shown}, by=self.rank)
+        abort(self._store, seq, outcome)
+
+    def _abort_quietly(self, seq: int, outcome: Outcome) -> None:
+        try:
+            abort(self._store, seq, outcome)
+        except Exception as err:  # best effort: the interrupt being raised is what matters
+            log.debug("ddp_strategy: rank %d could not abort barrier %d: %s", self.rank, seq, err)
+
+    def _waiting_store(self) -> Store:
+        """The connection a barrier's blocking wait uses (its own: a blocked client cannot serve other calls)."""
+        if self._waiter_store is None:
+            self._waiter_store = self.connect()
+        return self._waiter_store
+
+    def _outcome_error(self, outcome: Outcome, name: str, site: str, waited: float) -> BaseException:
+        if outcome.reason == "desync" and self.desync_error is not None:
+            return self.desync_error
+        if outcome.reason == "names":
+            return CollectiveMismatchError(
+                f"Ranks reached different barriers at the same point: {outcome.table}. Rank {self.rank} was at "
+                f"'{name}' ({site}). Every rank must call the same barriers in the same order; one rank skipped or "
+                "added a barrier (look for a barrier inside a rank-dependent branch).",
+                name=name,
+                missing_ranks=[],
+                reason="names",
+            )
+        if outcome.reason == "interrupted":
+            return CollectiveMismatchError(
+                f"Rank {self.rank} left barrier '{name}' ({site}): rank(s) {format_ranks(outcome.missing)} "
+                "stopped waiting in it (interrupted, e.g. Ctrl-C); this rank stops too.",
+                name=name,
+                missing_ranks=list(outcome.missing),
+                reason="failed",
+            )
+        if outcome.reason == "desync":
+            return CollectiveMismatchError(
+                f"Rank {self.rank} left barrier '{name}' ({site}): rank {outcome.by} found that the ranks' collectives "
+                "diverged; its error above names where.",
+                name=name,
+                missing_ranks=[],
+                reason="desync",
+            )
+        return self._timeout_error(name, site, outcome, waited)
+
+    def _timeout_error(self, name: str, site: str, outcome: Outcome, waited: float) -> CollectiveMismatchError:
         now = time.time()
-        missing = sorted(positions)
+        missing, positions, reason = sorted(outcome.missing), outcome.positions, outcome.reason
         failed = reason == "failed"
         what = _REASONS.get(reason, "never arrived")
         lines = [
@@ -778,7 +899,7 @@ class ControlPlane:
             "Where they were last seen:"
         ]
         stale_after = max(1.0, 3 * self._poll_interval)
-        for rank in missing:
+        for rank in sorted(positions):
             position = positions[rank]
             if position is None:
                 where = "no position published here (it never reached this point, or its process never started)"
@@ -787,6 +908,8 @@ class ControlPlane:
                 if position.kind != "failed" and position.heartbeat and now - position.heartbeat > stale_after:
                     where += " -- no heartbeat since: the process has probably died or is frozen"
             lines.append(f"  rank {rank}: {where}")
+        if len(missing) > len(positions):
+            lines.append(f"  ({len(missing) - len(positions)} more rank(s) not shown)")
         if failed:
             lines.append("Look at the failed rank's own error above for the cause; this rank stops too.")
         elif reason == "went_on":
@@ -816,8 +939,10 @@ class ControlPlane:
             return
         try:
             self._publish(self._position)
-            if not self._store.check([_FAILED_KEY]):  # the first failure is the one to name (a race is harmless)
-                self._store.set(_FAILED_KEY, str(self.rank))
+            self._store.add(_FAILURES_KEY, 1)
+            self._store.compare_set(_FAILED_KEY, "", str(self.rank))  # the first failure is the one to name
+            # ranks waiting in (or coming to) the next barrier of this rank, which it never enters, stop at once
+            abort(self._store, self._seq, Outcome("failed", (self.rank,), {self.rank: self._position}, by=self.rank))
         except Exception as err:
             log.warning("ddp_strategy: rank %d could not publish its failure (%s)", self.rank, err)
 
@@ -835,22 +960,16 @@ class ControlPlane:
             return
         diagnosis = self.failure_diagnosis[1] if self.failure_diagnosis is not None else None
         gone = set(diagnosis.gone) if diagnosis is not None else set()  # they will never read it
-        pending = [r for r in range(self.world_size) if r != self.rank and r not in gone]
+        expected = self.world_size - 1 - len(gone - {self.rank})
         deadline = time.monotonic() + max(1.0, 3 * self._heartbeat_interval)
         try:
             while time.monotonic() < deadline:
-                pending = [r for r in pending if not self._seen_or_failed(r)]
-                if not pending:
+                seen, failed = int(self._store.add(_SEEN_KEY, 0)), int(self._store.add(_FAILURES_KEY, 0))
+                if seen + failed - 1 >= expected:  # a failed peer reads nothing; this rank's own failure counts once
                     return
                 time.sleep(min(0.05, self._heartbeat_interval / 4))
         except Exception as err:  # best effort: the error being raised is what matters
             log.debug("ddp_strategy: waiting for peers to read rank %d's failure: %s", self.rank, err)
-
-    def _seen_or_failed(self, rank: int) -> bool:
-        if self._store.check([_SEEN_KEY.format(rank=rank)]):
-            return True
-        position = self.read_position(rank)
-        return position is not None and position.kind == "failed"
 
     def _store_lost(self, name: str, site: str, err: Exception) -> CollectiveMismatchError:
         return CollectiveMismatchError(
@@ -860,23 +979,6 @@ class ControlPlane:
             name=name,
             missing_ranks=[0],
             reason="store",
-        )
-
-    def _check_names(self, name: str, site: str, names: list[str]) -> None:
-        named = {n for n in names if n != _UNNAMED}
-        if len(named) <= 1:
-            return
-        by_name: dict[str, list[int]] = {}
-        for rank, other in enumerate(names):
-            by_name.setdefault(other, []).append(rank)
-        table = "; ".join(f"'{n}' on rank(s) {format_ranks(r)}" for n, r in by_name.items())
-        raise CollectiveMismatchError(
-            f"Ranks reached different barriers at the same point: {table}. Rank {self.rank} was at '{name}' "
-            f"({site}). Every rank must call the same barriers in the same order; one rank skipped or added a "
-            "barrier (look for a barrier inside a rank-dependent branch).",
-            name=name,
-            missing_ranks=[r for n, ranks in by_name.items() if n != name for r in ranks],
-            reason="names",
         )
 
     # ------------------------------------------------------------------ teardown
@@ -903,9 +1005,10 @@ class ControlPlane:
             raise
         finally:
             self._stop.set()
-            if self._heartbeat is not None:
-                self._heartbeat.join(timeout=max(5.0, 2 * self._heartbeat_interval))
-                self._heartbeat = None
+            for thread in (self._heartbeat, self._beats):
+                if thread is not None:
+                    thread.join(timeout=max(5.0, 2 * self._heartbeat_interval))
+            self._heartbeat = self._beats = None
             if self._group is not None and dist.is_initialized():
                 if closing:  # every rank is here: none needs the store once rank 0 goes on
                     dist.barrier(group=self._group)

@@ -74,7 +74,7 @@ _C10D_COLLECTIVES = frozenset(
         "wait",
     }
 )
-_CONTROL_WAITS = frozenset({"barrier", "_wait_all", "all_gather_object", "gather_object", "broadcast_object"})
+_CONTROL_WAITS = frozenset({"barrier", "_await_outcome", "all_gather_object", "gather_object", "broadcast_object"})
 # Lightning (>= 2.5) broadcasts a SIGTERM flag from rank 0 before every training batch, from this function
 _BEFORE_BATCH = "_broadcast_sigterm_tensor"
 _PER_BATCH_WAITS = ("backward pass: DDP's gradient all-reduce", "DDP ")  # locate()'s texts of per-batch waits

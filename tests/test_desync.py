@@ -424,9 +424,13 @@ class _Rank0Control:
     def add_beat(self, hook: Callable[..., None]) -> None:
         pass
 
-    def read_positions(self, store: object = None) -> dict[int, Position | None]:
+    def forget_at_close(self, *keys: str, shared: bool = False) -> None:
+        pass
+
+    def read_positions_of(self, ranks: list[int], store: object = None) -> dict[int, Position | None]:
         beat = self.rank1_heartbeat
-        return {0: None, 1: None if beat is None else Position("training step", "3", heartbeat=beat)}
+        every = {0: None, 1: None if beat is None else Position("training step", "3", heartbeat=beat)}
+        return {rank: every[rank] for rank in ranks}
 
 
 def test_rank0_exits_only_once_every_rank_holds_the_verdict():
@@ -434,8 +438,8 @@ def test_rank0_exits_only_once_every_rank_holds_the_verdict():
     # had not read the inquiry's reports yet: rank 1 failed with gloo's unnamed "Connection reset by peer"
     control = _Rank0Control(rank1_heartbeat=time.time())
     monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
-    control.store.set("desync/verdict/0", "1")
-    threading.Timer(0.5, lambda: control.store.set("desync/verdict/1", "1")).start()
+    control.store.append("desync/holding", "0\n")  # each rank appends itself once it holds the verdict
+    threading.Timer(0.5, lambda: control.store.append("desync/holding", "1\n")).start()
     start = time.monotonic()
     monitor.rank0_stopping()
     assert 0.5 <= time.monotonic() - start < 3.0

@@ -310,6 +310,9 @@ class ControlPlane:
         self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
         self._waiter_store: Store | None = None  # a barrier's blocking wait, on a connection of its own
+        # keys deleted at a graceful close: this rank's own, and (by rank 0) those every rank shares
+        self._own_keys: set[str] = {_POSITION_KEY.format(rank=rank)}
+        self._shared_keys: set[str] = {PUBLISHED_KEY, _FAILED_KEY, _FAILURES_KEY, _SEEN_KEY}
         # tensors of recent collectives on the gloo group, freed on this thread (see object_collectives)
         self._keep = keep if keep is not None else KeepAlive()
         #: ``(exception, diagnosis)`` of this rank's failure, kept by :func:`~ddp_strategy.peers.diagnose_failed_peers`
@@ -594,12 +597,32 @@ class ControlPlane:
             store: the connection to read through; a background thread passes its own (see :meth:`connect`).
 
         """
-        store = self._store if store is None else store
-        positions: dict[int, Position | None] = {}
-        for rank in range(self.world_size):
-            key = _POSITION_KEY.format(rank=rank)
-            positions[rank] = Position.from_json(store.get(key)) if store.check([key]) else None
-        return positions
+        return self.read_positions_of(range(self.world_size), store)
+
+    def read_positions_of(self, ranks: Sequence[int], store: Store | None = None) -> dict[int, Position | None]:
+        """The last published positions of ``ranks`` (``None``: never published), in batched reads.
+
+        Args:
+            ranks: the ranks.
+            store: the connection to read through; a background thread passes its own (see :meth:`connect`).
+
+        """
+        return read_positions_of(self._store if store is None else store, list(ranks))
+
+    def forget_at_close(self, *keys: str, shared: bool = False) -> None:
+        """Delete ``keys`` of this run's namespace when the control plane closes gracefully.
+
+        Args:
+            keys: the keys.
+            shared: keys every rank uses, deleted by rank 0 once every rank has closed; else keys of this rank,
+                deleted by it.
+
+        """
+        (self._shared_keys if shared else self._own_keys).update(keys)
+
+    def failures_published(self, store: Store | None = None) -> int:
+        """How many ranks have published a failure (:meth:`note_failure`) in this run; one counter read."""
+        return int((self._store if store is None else store).add(_FAILURES_KEY, 0))
 
     def read_position(self, rank: int, store: Store | None = None) -> Position | None:
         """The last position ``rank`` published, or ``None`` when it never published one.
@@ -971,6 +994,14 @@ class ControlPlane:
         except Exception as err:  # best effort: the error being raised is what matters
             log.debug("ddp_strategy: waiting for peers to read rank %d's failure: %s", self.rank, err)
 
+    def _delete_keys(self, keys: set[str]) -> None:
+        """Delete ``keys`` (best effort: the store's size, not the run's outcome, depends on it)."""
+        try:
+            for key in sorted(keys):
+                self._store.delete_key(key)
+        except Exception as err:
+            log.debug("ddp_strategy: rank %d could not delete its control-plane keys: %s", self.rank, err)
+
     def _store_lost(self, name: str, site: str, err: Exception) -> CollectiveMismatchError:
         return CollectiveMismatchError(
             f"Rank {self.rank} could not reach the rendezvous store at barrier '{name}' ({site or 'unknown site'}): "
@@ -1011,7 +1042,10 @@ class ControlPlane:
             self._heartbeat = self._beats = None
             if self._group is not None and dist.is_initialized():
                 if closing:  # every rank is here: none needs the store once rank 0 goes on
+                    self._delete_keys(self._own_keys)
                     dist.barrier(group=self._group)
+                    if self.rank == 0:
+                        self._delete_keys(self._shared_keys)
                 dist.destroy_process_group(self._group)
             self._group = None
             self._keep.clear()

@@ -74,11 +74,17 @@ TRACE_ENTRIES = 256
 REPORT_CALLS = TRACE_ENTRIES
 #: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.
 AUDIT_INTERVAL = 5.0
-_INQUIRY_KEY = "desync/inquiry"
+_INQUIRY_KEY = "desync/inquiry"  # the number of the newest inquiry (opened with compare_set: one opener wins)
+_STUCK_KEY = "desync/stuck"  # how many ranks are stuck right now (each adds 1 when it gets stuck, -1 when it runs)
 _RANK0_STOPPING_KEY = "desync/rank0-stopping"  # rank 0 has printed the agreed error (it may exit any moment now)
 _REPORT_KEY = "desync/report/{inquiry}/{rank}"
+_REPORTED_KEY = "desync/reported/{inquiry}"  # how many ranks reported; the one that makes it W decides
+_VERDICT_KEY = "desync/verdict/{inquiry}"  # the decision, written once (compare_set), read by every rank
+_READ_KEY = "desync/read/{inquiry}"  # how many ranks have read the verdict; the last deletes it
+_HOLDING_KEY = "desync/holding"  # how many ranks hold the agreed error (rank 0 hosts the store: it waits for W)
 _AUDIT_KEY = "desync/audit/{rank}"
-_VERDICT_KEY = "desync/verdict/{rank}"  # set by a rank once it holds the agreed error
+_NO_VERDICT, _INCOMPLETE = "none", "incomplete"
+_REPORTS_PER_READ = 16  # reports of about 150 KB: one batched read of 16 is a few MB
 _VERDICT_WAIT = 6.0  # seconds rank 0, before it exits, waits for the others to hold the verdict (the store is its)
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
 _BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
@@ -678,6 +684,60 @@ def _training_thread_in_torch() -> bool:
     return frame is not None and _TORCH_DIR in frame.f_code.co_filename
 
 
+def _poll_pause(world_size: int) -> float:
+    """Seconds between two looks at one key by every rank: 50 ms up to 64 ranks, then longer in proportion.
+
+    All ranks together then look about 1300 times a second, whatever their number.
+    """
+    return 0.05 * max(1.0, world_size / 64)
+
+
+def _open(store: Store, seen: int) -> int:
+    """Open inquiry ``seen + 1`` unless a rank has opened a newer one (compare-and-set: one opener for many)."""
+    return int(store.compare_set(_INQUIRY_KEY, str(seen), str(seen + 1)))
+
+
+def _decide(store: Store, inquiry: int, world_size: int) -> None:
+    """Read every rank's report of ``inquiry`` (batched), write the verdict once, delete the reports."""
+    keys = [_REPORT_KEY.format(inquiry=inquiry, rank=r) for r in range(world_size)]
+    reports: dict[int, RankReport] = {}
+    for start in range(0, world_size, _REPORTS_PER_READ):
+        values = store.multi_get(keys[start : start + _REPORTS_PER_READ])
+        reports.update({start + i: RankReport.from_json(value) for i, value in enumerate(values)})
+    store.compare_set(_VERDICT_KEY.format(inquiry=inquiry), "", _verdict_to_json(find_divergence(reports)))
+    for key in [*keys, _REPORTED_KEY.format(inquiry=inquiry)]:
+        store.delete_key(key)
+
+
+def _verdict_to_json(error: CollectiveMismatchError | None) -> str:
+    if error is None:
+        return _NO_VERDICT
+    data: dict[str, Any] = {"message": str(error), "name": error.name, "missing": list(error.missing_ranks)}
+    if isinstance(error, UnevenInputsError):
+        data["batches"] = list(error.batches)
+    else:
+        data["reason"] = error.reason
+    return json.dumps(data)
+
+
+def _verdict_from_json(text: str) -> CollectiveMismatchError | None:
+    if text in (_NO_VERDICT, _INCOMPLETE):
+        return None
+    data = json.loads(text)
+    if "batches" in data:
+        return UnevenInputsError(data["message"], batches=data["batches"])
+    return CollectiveMismatchError(
+        data["message"], name=data["name"], missing_ranks=data["missing"], reason=data["reason"]
+    )
+
+
+def _holding(store: Store) -> set[int]:
+    """The ranks that hold the agreed error (one key)."""
+    if not store.check([_HOLDING_KEY]):
+        return set()
+    return {int(line) for line in store.get(_HOLDING_KEY).decode().split()}
+
+
 class DesyncMonitor:
     """Watches one rank's collectives on its heartbeat thread and takes part in inquiries; see the module docs.
 
@@ -716,10 +776,13 @@ class DesyncMonitor:
         self._audit_lock = threading.Lock()
         self._wait: tuple[str, float] = ("", 0.0)
         self._answered = 0  # the last inquiry this rank answered
+        self._counted_stuck = False  # whether this rank counts itself in the store's count of stuck ranks
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
         self._verdict_at: float | None = None
         self._shown = False  # this rank printed the agreed error already
         self._lock = threading.Lock()
+        control.forget_at_close(_AUDIT_KEY.format(rank=control.rank))
+        control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, _HOLDING_KEY, _RANK0_STOPPING_KEY, shared=True)
         control.add_beat(self.beat)
 
     # ------------------------------------------------------------------ watching
@@ -748,24 +811,27 @@ class DesyncMonitor:
             self._break_if_blocked(store)
             return
         control.set_ledger(*self.ledger.state)
+        if stuck != self._counted_stuck:  # every rank counts itself in while stuck: "all stuck" is one counter
+            store.add(_STUCK_KEY, 1 if stuck else -1)
+            self._counted_stuck = stuck
         inquiry = int(store.add(_INQUIRY_KEY, 0))
         if inquiry > self._answered:
             self._answer(store, inquiry)
             return
-        if stuck and what not in self._inquired and self._all_stuck(store):
-            self._inquired.add(what)
-            self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+        if stuck and what not in self._inquired and int(store.add(_STUCK_KEY, 0)) >= control.world_size:
+            self._inquired.add(what)  # every rank waits: whether they wait for each other, the reports tell
+            self._answer(store, _open(store, inquiry))
             return
         if not self._ledger_inquired and self._ledger_differs(store):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
-            self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+            self._answer(store, _open(store, inquiry))
             return
         if time.monotonic() >= self._next_audit:
             difference = self._audit(store)
             self._next_audit = time.monotonic() + self.audit_interval
             if difference is not None and difference not in self._audit_inquired:
                 self._audit_inquired.add(difference)  # once per call: the verdict names it
-                self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+                self._answer(store, _open(store, inquiry))
 
     # ------------------------------------------------------------------ auditing
     def update_audit(self) -> dict[str, list[Any]]:
@@ -805,21 +871,6 @@ class DesyncMonitor:
         mine = self.ledger.digest_at(position.calls)
         return mine is not None and mine != position.digest
 
-    def _all_stuck(self, store: Store) -> bool:
-        positions = self.control.read_positions(store)
-        now = time.time()
-        stale = max(3.0, 4 * self.control.heartbeat_interval)
-        waits = {self.control.rank: self._wait[0]}
-        for rank, position in positions.items():
-            if rank == self.control.rank:
-                continue
-            if position is None or position.kind == "failed" or now - position.heartbeat > stale:
-                return False  # a dead or failed rank is the failure diagnosis's business
-            if not position.waiting:
-                return False
-            waits[rank] = position.waiting
-        return not stale_waits(waits)  # a rank pending in a call another rank is past runs on
-
     # ------------------------------------------------------------------ inquiring
     def report(self) -> RankReport:
         """This rank's report: its newest calls (with stacks: costly), its wait, its progress."""
@@ -847,10 +898,13 @@ class DesyncMonitor:
         )
 
     def _answer(self, store: Store, inquiry: int) -> CollectiveMismatchError | None:
-        """Publish this rank's report and compute the verdict once every rank reported, for the newest inquiry.
+        """Report for the newest inquiry and return its verdict, the same on every rank.
 
-        Two ranks may open inquiries at once; every rank follows the newest one (it reports again), so all end up
-        computing the verdict from the same reports.
+        Each rank publishes its report and counts itself in; the rank that completes the count reads every report
+        (batched reads) and writes the verdict once, which every rank reads (one key, polled at a pace that keeps
+        the store's total load flat as ranks are added). Two ranks may open inquiries at once; every rank follows the
+        newest one (it reports again). When a rank publishes a failure, or reports do not come within
+        ``_REPORT_WAIT`` seconds, the first rank to see it decides "incomplete" for every rank.
         """
         with self._lock:
             if inquiry <= self._answered:
@@ -858,25 +912,35 @@ class DesyncMonitor:
             world, rank = self.control.world_size, self.control.rank
             mine = self.report().to_json()
             deadline = time.monotonic() + _REPORT_WAIT
+            own_failure = int(self.control.position.kind == "failed")
             while True:
                 inquiry = max(inquiry, int(store.add(_INQUIRY_KEY, 0)))
                 if inquiry > self._answered:
                     store.set(_REPORT_KEY.format(inquiry=inquiry, rank=rank), mine)
                     self._answered = inquiry
-                keys = [_REPORT_KEY.format(inquiry=inquiry, rank=r) for r in range(world)]
-                if store.check(keys):
+                    if int(store.add(_REPORTED_KEY.format(inquiry=inquiry), 1)) == world:
+                        _decide(store, inquiry, world)  # the last to report decides for every rank
+                key = _VERDICT_KEY.format(inquiry=inquiry)
+                if store.check([key]):
                     break
-                if time.monotonic() > deadline or self._a_silent_rank_is_missing(store, keys):
-                    log.info("ddp_strategy: rank %d: desync inquiry %d incomplete", rank, inquiry)
-                    return None
-                self.control.publish_heartbeat(store)  # this wait must not look like a dead rank
-                time.sleep(0.05)
-            reports = {r: RankReport.from_json(store.get(keys[r])) for r in range(world)}
-            error = find_divergence(reports)
-            if error is not None and self.control.desync_error is None:
+                if time.monotonic() > deadline or self.control.failures_published(store) > own_failure:
+                    store.compare_set(key, "", _INCOMPLETE)  # a rank that failed or went silent never reports
+                    break
+                time.sleep(_poll_pause(world))
+            error = _verdict_from_json(store.get(key).decode())
+            read = _READ_KEY.format(inquiry=inquiry)
+            if int(store.add(read, 1)) == world:  # the last rank to read the verdict deletes it
+                store.delete_key(key)
+                store.delete_key(read)
+            if error is None:
+                log.info(
+                    "ddp_strategy: rank %d: desync inquiry %d found no divergence or was incomplete", rank, inquiry
+                )
+                return None
+            if self.control.desync_error is None:
                 self.control.desync_error = error
                 self._verdict_at = time.monotonic()
-                store.set(_VERDICT_KEY.format(rank=rank), "1")  # rank 0 hosts the store: it waits for this
+                store.append(_HOLDING_KEY, f"{rank}\n")  # rank 0 hosts the store: it waits for every rank's
                 if self._current_wait()[0].startswith("collective "):
                     # blocked inside the backend: it may be killed (a launcher stopping the job when another rank
                     # exits) before it can raise, so it shows the error now
@@ -893,17 +957,14 @@ class DesyncMonitor:
             )
             sys.stderr.flush()
 
-    def _a_silent_rank_is_missing(self, store: Store, keys: list[str]) -> bool:
-        """Whether a rank that has not reported failed or stopped its heartbeat: it never will report."""
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        if not missing:
+    def _a_silent_rank_among(self, store: Store, ranks: Sequence[int]) -> bool:
+        """Whether one of ``ranks`` failed or stopped its heartbeat: it never will do what is awaited of it."""
+        if not ranks:
             return False
-        positions = self.control.read_positions(store)
+        positions = self.control.read_positions_of(ranks, store)
         now = time.time()
         stale = max(2.0, 4 * self.control.heartbeat_interval)
-        return any(
-            (p := positions.get(rank)) is None or p.kind == "failed" or now - p.heartbeat > stale for rank in missing
-        )
+        return any(p is None or p.kind == "failed" or now - p.heartbeat > stale for p in positions.values())
 
     def inquire(self) -> CollectiveMismatchError | None:
         """Open an inquiry from the training thread (after a backend error) and return the verdict, if any."""
@@ -911,7 +972,8 @@ class DesyncMonitor:
             return self.control.desync_error
         store = self.control.store  # the training thread's own connection: a new one would retry a gone host
         try:
-            return self._answer(store, int(store.add(_INQUIRY_KEY, 1)))
+            seen = int(store.add(_INQUIRY_KEY, 0))
+            return self._answer(store, seen if seen > self._answered else _open(store, seen))
         except Exception as err:  # the store is gone (rank 0 exited): nothing to agree on
             log.debug("ddp_strategy: rank %d could not open a desync inquiry: %s", self.control.rank, err)
             return self.control.desync_error
@@ -962,12 +1024,18 @@ class DesyncMonitor:
         store = store if store is not None else self.control.store
         try:
             if await_verdicts:
-                keys = [_VERDICT_KEY.format(rank=r) for r in range(self.control.world_size)]
+                world = self.control.world_size
                 deadline = time.monotonic() + _VERDICT_WAIT
-                while not store.check(keys) and time.monotonic() < deadline:
-                    if self._a_silent_rank_is_missing(store, keys):
+                next_look = time.monotonic()
+                while time.monotonic() < deadline:
+                    holding = _holding(store)
+                    if len(holding) >= world:
                         break
-                    time.sleep(0.02)
+                    if time.monotonic() >= next_look:  # twice a second: whether a rank without it has died
+                        next_look = time.monotonic() + 0.5
+                        if self._a_silent_rank_among(store, [r for r in range(world) if r not in holding]):
+                            break
+                    time.sleep(0.05)
             store.set(_RANK0_STOPPING_KEY, "1")
         except Exception as err:  # the error being raised is what matters
             log.debug("ddp_strategy: rank 0 could not announce its stop: %s", err)
@@ -981,7 +1049,7 @@ class DesyncMonitor:
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline and not self.control.store.check([_RANK0_STOPPING_KEY]):
-                time.sleep(0.05)
+                time.sleep(_poll_pause(self.control.world_size))
         except Exception as err:  # rank 0's store is gone: it has exited already
             log.debug("ddp_strategy: rank %d: rank 0's store is gone (%s)", self.control.rank, err)
 

@@ -11,13 +11,16 @@ control plane's rendezvous store and never a collective:
 
 1. a rank that received a signal publishes it; the others look for that key at most once per ``poll_interval``
    seconds (one store lookup: nothing else runs on the hot path);
-2. every rank that knows of the signal publishes an *ack* holding its step and from then on reads the acks at every
-   step boundary;
-3. once every rank has acked, each computes the same stop step, ``max(acks) + 1``, and stops there.
+2. every rank that knows of the signal appends an *ack* holding its step to one key and counts itself in; the rank
+   whose ack completes the count reads the acks once and writes the stop step, ``max(acks) + 1``, to one key;
+3. from its ack on, every rank looks for that key at every step boundary (one lookup), and stops there.
+
+Each rank does O(1) store operations per step and per agreement, whatever the world size.
 
 Why every rank reaches that step and none has passed it: completing an optimizer step needs every rank's gradients
-of that step (DDP's all-reduce), so when the last rank acks at step ``a``, no rank can be past step ``a + 1``, and
-each rank reads the complete set of acks at a step boundary no later than ``a + 1 <= max(acks) + 1``. This holds
+of that step (DDP's all-reduce), so when the last rank acks at step ``a`` (and writes the stop step before its step
+``a`` ends), no rank can be past step ``a + 1``, and each rank reads the stop step at a step boundary no later than
+``a + 1 <= max(acks) + 1``. This holds
 for every optimizer step that synchronizes gradients (automatic optimization, gradient accumulation included);
 manual optimization that steps without any collective gives no such bound (the stop is then named, not silent).
 """
@@ -49,7 +52,11 @@ log = logging.getLogger(__name__)
 DEFAULT_PREEMPTION_SIGNALS: tuple[str, ...] = ("SIGTERM",)
 
 _SIGNAL_KEY = "preempt/signal"
-_ACK_KEY = "preempt/ack/{rank}"
+_ACKS_KEY = "preempt/acks"  # every rank appends the step it acknowledged at
+_ACK_COUNT_KEY = "preempt/ack-count"  # how many ranks acknowledged; the one that makes it W decides the stop step
+_STOP_KEY = "preempt/stop-step"  # the agreed stop step, written once
+#: the keys of the agreement (deleted with the control plane's namespace at its close)
+KEYS = (_SIGNAL_KEY, _ACKS_KEY, _ACK_COUNT_KEY, _STOP_KEY)
 
 
 def parse_signals(signals: Iterable[str | int] | None) -> tuple[signal.Signals, ...]:
@@ -199,12 +206,14 @@ class PreemptionAgreement:
                 if not store.check([_SIGNAL_KEY]):
                     return False
                 self.notice = _Notice.from_json(store.get(_SIGNAL_KEY))
-            store.set(_ACK_KEY.format(rank=self.rank), str(step))
+            store.append(_ACKS_KEY, f"{step}\n")
+            if int(store.add(_ACK_COUNT_KEY, 1)) == self.world_size:  # the last to acknowledge decides for all
+                steps = [int(v) for v in store.get(_ACKS_KEY).decode().split()]
+                store.compare_set(_STOP_KEY, "", str(max(steps) + 1))
             self._acked = True
-        keys = [_ACK_KEY.format(rank=r) for r in range(self.world_size)]
-        if not store.check(keys):
+        if not store.check([_STOP_KEY]):  # one key per step boundary until agreed, whatever the world size
             return False
-        self.stop_step = max(int(v) for v in store.multi_get(keys)) + 1
+        self.stop_step = int(store.get(_STOP_KEY))
         return self._reached(step)
 
     def learn(self, store: Store) -> None:

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from .._compat.lightning import Callback, last_checkpoint_path, pl
 from ..control import ControlPlane
+from ..preemption import KEYS as PREEMPTION_KEYS
 from ..preemption import Preempted, PreemptionAgreement, stop_message
 
 __all__ = ["PreemptionStop"]
@@ -49,6 +50,9 @@ class PreemptionStop(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
+        control = self._control()
+        if control is not None:
+            control.forget_at_close(*PREEMPTION_KEYS, shared=True)
 
     @override
     def on_train_batch_end(

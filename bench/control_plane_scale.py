@@ -1,0 +1,1206 @@
+"""The control plane's traffic to the rendezvous store at scale: store operations per rank and per second, by state.
+
+    python bench/control_plane_scale.py --label before                  # W = 8, 64, 256 (about 10 minutes)
+    python bench/control_plane_scale.py --worlds 8,64,256,512 --label after
+    python bench/control_plane_scale.py --quick                         # W = 8, 32, short windows (CI smoke)
+
+Issue 32 asks that every control-plane path make O(1) store operations per rank, per second and per event,
+whatever the world size W. This measures it with the package's real code (``ControlPlane``, ``DesyncMonitor``,
+``PreemptionAgreement``) and a real ``torch.distributed.TCPStore``:
+
+* **One real store server.** A child process hosts ``TCPStore(is_master=True, use_libuv=True)``, as rank 0's
+  process does. Its CPU time (utime + stime from ``/proc/<pid>/stat``) is read at both ends of every measured
+  window: *server busy* = server CPU seconds / wall seconds (1.0 = one core; its libuv loop is one thread).
+* **Threads as ranks.** W simulated ranks run as threads of this process. Each has its own client connections:
+  one for its training thread, one for its heartbeat thread (``heartbeat_store=``), more from ``store_factory=``.
+  Every connection is wrapped in a :class:`CountingStore`, which prefixes keys with a fresh namespace per state
+  (as ``PrefixStore`` does) and counts, per rank, operations (one per call), keys touched (a ``check`` or
+  ``multi_get`` of N keys touches N) and payload bytes (keys and values sent and received; no protocol framing).
+  Each rank gets a ``ControlPlane`` (``group=None``: no gloo, so only store traffic exists and gloo barriers or
+  agreements are out of scope) with ``heartbeat_interval=1.0`` and a ``DesyncMonitor``, as the strategy builds
+  them. The connections are opened once per W and reused by every state (opening one costs a reverse DNS lookup
+  of 127.0.0.1 in torch's client, which this sandbox's resolver sometimes answers only after 5 s).
+* **A fake Flight Recorder per rank.** ``collective_status``, ``collective_trace`` and ``_training_thread_in_torch``
+  in ``ddp_strategy.desync`` are replaced by functions that find the simulated rank from the calling thread's name
+  and return that rank's fake state (identical all_reduce entries on every rank, ``--trace-entries`` newest ones).
+  ``os._exit`` in that module (a rank blocked in a collective exits after a verdict) ends only the calling
+  heartbeat thread, and the verdict it prints goes to a counter instead of stderr.
+
+States (each in a fresh namespace; keys left = ``num_keys()`` after the state minus before it):
+
+``steady``: training threads call ``note_step`` every 10 ms; the background traffic (heartbeats, desync beats,
+audits). ``barrier-late``: every rank but 0 waits in ``barrier("save")``; rank 0 enters after ``--late-seconds``
+(writing a checkpoint); traffic during the wait, and latency from rank 0's entry to the last rank's return.
+``long-wait``: every rank waits in the same backend collective for ``--wait-seconds``; traffic, inquiries opened,
+verdict. ``desync``: rank 0 waits in ``barrier("only_rank0")``, the others in an all_reduce; time to
+``desync_error`` on every rank. ``failed-peer``: every rank but W-1 waits in ``barrier("save")``, rank W-1
+publishes a failure after 1 s; time to the ``reason="failed"`` error on every waiting rank. ``preemption``: step
+loop in lockstep (a ``threading.Barrier`` stands in for DDP's all-reduce) with ``PreemptionAgreement.
+at_step_boundary`` every ~20 ms; rank 1 receives SIGTERM at 1 s; traffic and time until every rank stopped.
+
+Counts are stable from run to run where times are not: the threads share one process (and its GIL) and 2 cores
+with the server, so at large W the simulated ranks cannot keep up with what real ranks would ask (the client CPU
+column shows it), and the server busy fraction is a lower bound there. Above the largest measured W the rows are
+**extrapolated**: per state, a least-squares line per-rank ops/s = a + b*W over the measured W, times W, times the
+server CPU per operation measured at the largest W (and the same with keys touched). Results:
+``bench/results/control_plane_scale_<label>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import functools
+import importlib
+import io
+import json
+import logging
+import os
+import platform
+import re
+import select
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+STATES = ("steady", "barrier-late", "long-wait", "desync", "failed-peer", "preemption")
+HEARTBEAT = 1.0  # the strategy's default heartbeat_interval
+HOST = "127.0.0.1"
+CLIENT_TIMEOUT = timedelta(seconds=60)
+BARRIER_TIMEOUT = timedelta(seconds=300)  # the states end long before; a hang is cut by the state's budget
+EXTRAPOLATE = (512, 1024, 4096)
+FAKE_USER_FILE = "/sim/train.py"  # a user file as the recorder's stacks show it (same on every rank)
+FAKE_TORCH_FILE = "/sim/site-packages/torch/distributed/distributed_c10d.py"
+_RANK_IN_NAME = re.compile(r"rank(\d+)$")
+_SERVER_CODE = (
+    "import time, torch.distributed as d\n"
+    f"s = d.TCPStore({HOST!r}, 0, is_master=True, wait_for_workers=False, use_libuv=True)\n"
+    "print(s.port, flush=True)\n"
+    "while True:\n"
+    "    time.sleep(3600)\n"
+)
+
+log = logging.getLogger("control_plane_scale")
+
+
+class Package:
+    """The ``ddp_strategy`` under test, imported from a source tree (the working tree's ``src``, or a commit's)."""
+
+    def __init__(self, src: Path, commit: str, dirty: bool) -> None:
+        sys.path.insert(0, str(src))
+        for name in [m for m in sys.modules if m == "ddp_strategy" or m.startswith("ddp_strategy.")]:
+            del sys.modules[name]
+        self.root: Any = importlib.import_module("ddp_strategy")
+        if not str(self.root.__file__).startswith(str(src)):
+            raise SystemExit(f"ddp_strategy was imported from {self.root.__file__}, not from {src}")
+        self.control: Any = importlib.import_module("ddp_strategy.control")
+        self.desync: Any = importlib.import_module("ddp_strategy.desync")
+        self.errors: Any = importlib.import_module("ddp_strategy.errors")
+        self.preemption: Any = importlib.import_module("ddp_strategy.preemption")
+        self.source = {"src": str(src), "commit": commit, "dirty": dirty}
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def load_package(commit: str | None) -> Package:
+    """The package from the working tree's ``src``, or from ``commit``'s ``src`` (extracted to a temporary dir)."""
+    if commit is None:
+        head = _git("rev-parse", "HEAD")
+        return Package(ROOT / "src", head, dirty=bool(_git("status", "--porcelain", "--", "src")))
+    full = _git("rev-parse", "--verify", f"{commit}^{{commit}}")
+    tree = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", full, "src"], capture_output=True, check=True
+    )
+    target = Path(tempfile.mkdtemp(prefix=f"control-plane-scale-{full[:8]}-"))
+    with tarfile.open(fileobj=io.BytesIO(tree.stdout)) as archive:
+        archive.extractall(target, filter="data")
+    return Package(target / "src", full, dirty=False)
+
+
+PKG: Package | None = None
+
+
+def pkg() -> Package:
+    """The package under test (loaded by :func:`run`)."""
+    if PKG is None:
+        raise RuntimeError("load_package first")
+    return PKG
+
+
+class StateOver(ConnectionError):
+    """Raised by a :class:`CountingStore` used after its state ended (the thread using it stops)."""
+
+
+# ---------------------------------------------------------------------------------------------- the store server
+class StoreServer:
+    """A ``TCPStore`` server in a child process, with its CPU time."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER_CODE],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        atexit.register(self.kill)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            self.kill()
+            raise RuntimeError(f"the store server did not start (got {line!r})")
+        self.port = int(line)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_seconds(self) -> float:
+        """The server process's utime + stime (all its threads)."""
+        return _proc_cpu(self.proc.pid, self._tick)
+
+    def kill(self) -> None:
+        """End the server (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def _proc_cpu(pid: int | str, tick: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick  # fields 14 and 15 of proc(5): utime, stime
+
+
+def new_client() -> Any:
+    """A new client connection to the benchmark's store server."""
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        HOST, _SERVER_PORT[0], is_master=False, use_libuv=True, timeout=CLIENT_TIMEOUT
+    )
+
+
+_SERVER_PORT = [0]
+
+
+# ---------------------------------------------------------------------------------------------- counting
+def _size(value: str | bytes) -> int:
+    return len(value.encode()) if isinstance(value, str) else len(value)
+
+
+class CountingStore:
+    """A client connection seen through a key prefix, counting operations, keys and bytes (the ``Store`` protocol).
+
+    Not thread-safe, like the client it wraps: one thread uses it. ``closed`` makes every later call raise.
+    """
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ops = 0
+        self.keys = 0
+        self.nbytes = 0
+        self.calls: Counter[str] = Counter()
+        self.closed = False
+
+    def _count(self, method: str, keys: Sequence[str], nbytes: int) -> list[str]:
+        if self.closed:
+            raise StateOver("the benchmark state is over")
+        self.ops += 1
+        self.keys += len(keys)
+        self.calls[method] += 1
+        full = [self.prefix + k for k in keys]
+        self.nbytes += nbytes + sum(len(k) for k in full)
+        return full
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store ``value`` under ``key``."""
+        (full,) = self._count("set", [key], _size(value))
+        self.client.set(full, value)
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key`` (waits for it)."""
+        (full,) = self._count("get", [key], 0)
+        value: bytes = self.client.get(full)
+        self.nbytes += len(value)
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, in one round trip."""
+        values: list[bytes] = self.client.multi_get(self._count("multi_get", keys, 0))
+        self.nbytes += sum(len(v) for v in values)
+        return values
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Store ``values`` under ``keys``, in one round trip."""
+        self.client.multi_set(self._count("multi_set", keys, sum(_size(v) for v in values)), values)
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key is set (no wait)."""
+        return bool(self.client.check(self._count("check", keys, 1)))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Wait until every key is set."""
+        full = self._count("wait", keys, 0)
+        if timeout is None:
+            self.client.wait(full)
+        else:
+            self.client.wait(full, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        return bool(self.client.delete_key(self._count("delete_key", [key], 1)[0]))
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key``; its new value."""
+        return int(self.client.add(self._count("add", [key], 16)[0], amount))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected``; the value it holds after."""
+        (full,) = self._count("compare_set", [key], _size(expected) + _size(desired))
+        value: bytes = self.client.compare_set(full, expected, desired)
+        self.nbytes += len(value)
+        return value
+
+    def num_keys(self) -> int:
+        """The number of keys in the whole store (every namespace)."""
+        self._count("num_keys", [], 8)
+        return int(self.client.num_keys())
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the value of ``key``."""
+        (full,) = self._count("append", [key], _size(value))
+        self.client.append(full, value)
+
+
+@dataclass
+class Tally:
+    """Counts summed over ranks at one moment, with the clocks."""
+
+    wall: float
+    server_cpu: float
+    client_cpu: float
+    ops: list[int]
+    keys: list[int]
+    nbytes: list[int]
+    calls: Counter[str]
+
+
+# ---------------------------------------------------------------------------------------------- fake recorder
+@dataclass
+class FakeRecorder:
+    """One simulated rank's Flight Recorder: its collectives on group "0" and whether its thread is in torch."""
+
+    enqueued: int = 0
+    completed: int = 0
+    in_torch: bool = False
+
+    def run(self, seq: int) -> None:
+        """Collectives up to ``seq`` were made and completed."""
+        self.enqueued = self.completed = seq
+
+    def block(self, seq: int) -> None:
+        """Collective ``seq`` is pending and the training thread waits in it."""
+        self.enqueued, self.completed, self.in_torch = seq, seq - 1, True
+
+
+_RECORDERS: dict[int, FakeRecorder] = {}
+_TRACE_ENTRIES = [16]
+_IDLE = FakeRecorder()
+
+
+def _current_recorder() -> FakeRecorder:
+    found = _RANK_IN_NAME.search(threading.current_thread().name)
+    return _RECORDERS.get(int(found.group(1)), _IDLE) if found else _IDLE
+
+
+def fake_collective_status() -> dict[str, tuple[int, int]]:
+    """``collective_status`` of the calling thread's simulated rank."""
+    recorder = _current_recorder()
+    return {"0": (recorder.enqueued, recorder.completed)}
+
+
+@functools.lru_cache(maxsize=16384)
+def _entry(seq: int) -> dict[str, Any]:
+    return {
+        "pg_id": 0,
+        "collective_seq_id": seq,
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[1024]],
+        "input_dtypes": ["Float"],
+        "frames": [
+            {"filename": FAKE_TORCH_FILE, "line": 2800, "name": "all_reduce"},
+            {"filename": FAKE_USER_FILE, "line": 42, "name": "training_step"},
+        ],
+        "time_created_ns": 1_700_000_000_000_000_000 + seq * 10_000_000,
+        "is_p2p": False,
+    }
+
+
+def fake_collective_trace() -> list[dict[str, Any]]:
+    """``collective_trace`` of the calling thread's simulated rank: its newest ``--trace-entries`` entries."""
+    recorder = _current_recorder()
+    first = max(1, recorder.enqueued - _TRACE_ENTRIES[0] + 1)
+    return [{**_entry(seq), "retired": seq <= recorder.completed} for seq in range(first, recorder.enqueued + 1)]
+
+
+def fake_training_thread_in_torch() -> bool:
+    """``_training_thread_in_torch`` of the calling thread's simulated rank."""
+    return _current_recorder().in_torch
+
+
+class _ProcessStandIn:
+    """Stands in for ``os`` inside ``ddp_strategy.desync``: ``_exit`` ends only the calling rank's heartbeat thread."""
+
+    def __init__(self) -> None:
+        self.exits: dict[int, float] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def _exit(self, code: int) -> None:
+        found = _RANK_IN_NAME.search(threading.current_thread().name)
+        self.exits[int(found.group(1)) if found else -1] = time.monotonic()
+        raise SystemExit(code)
+
+
+class _SysStandIn:
+    """Stands in for ``sys`` inside ``ddp_strategy.desync``: what it writes to stderr is counted, not shown."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.first = ""
+        self.stderr = self
+        self.stdout = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys, name)
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        if not self.first:
+            self.first = text[:400]
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing to flush."""
+
+
+_PROCESS = _ProcessStandIn()
+_SYS = _SysStandIn()
+
+
+def install_fakes() -> None:
+    """Replace the torch inputs (and the process exit) of ``ddp_strategy.desync`` by the simulated ranks' fakes."""
+    desync = pkg().desync
+    needed = ("collective_status", "collective_trace", "_training_thread_in_torch", "os", "sys")
+    missing = [name for name in needed if not hasattr(desync, name)]
+    if missing:
+        raise SystemExit(f"ddp_strategy.desync has no {', '.join(missing)}: update the benchmark's fakes")
+    desync.collective_status = fake_collective_status
+    desync.collective_trace = fake_collective_trace
+    desync._training_thread_in_torch = fake_training_thread_in_torch
+    desync.os = _PROCESS
+    desync.sys = _SYS
+
+
+class LogCount(logging.Handler):
+    """Counts the package's log records by their format string (the messages are not shown)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.counts[f"{record.levelname}: {str(record.msg)[:120]}"] += 1
+
+
+# ---------------------------------------------------------------------------------------------- the simulation
+@dataclass
+class Rank:
+    """One simulated rank: its connections, control plane, monitor, fake recorder, and what happened to it."""
+
+    rank: int
+    stores: list[CountingStore]
+    control: Any  # ddp_strategy.control.ControlPlane
+    monitor: Any  # ddp_strategy.desync.DesyncMonitor
+    recorder: FakeRecorder
+    done: float | None = None  # when its training thread's task ended (time.monotonic)
+    error: BaseException | None = None
+    error_at: float | None = None
+    result: Any = None
+
+
+class ClientPool:
+    """Client connections opened in parallel once per W and reused by every state.
+
+    Per rank: its training thread's, its heartbeat thread's, and ``spares`` more for ``store_factory`` (a connection
+    opened during a state would add the reverse-DNS stall to what the state measures); one more, uncounted, reads
+    ``num_keys`` and counters.
+    """
+
+    PER_RANK = 2
+
+    def __init__(self, world: int, spares: int) -> None:
+        self.world = world
+        self.width = self.PER_RANK + spares
+        count = self.width * world + 1
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=min(256, count)) as pool:
+            clients = list(pool.map(lambda _: new_client(), range(count)))
+        self.observer = clients.pop()
+        self.clients = clients
+        self.count = count
+        self.extra = 0  # connections opened during states because a rank's spares ran out
+        self.open_seconds = time.monotonic() - started
+
+    def of(self, rank: int) -> list[Any]:
+        """The connections of ``rank``: training thread, heartbeat thread, then the spares."""
+        return self.clients[self.width * rank : self.width * (rank + 1)]
+
+
+class Sim:
+    """The W simulated ranks of one state, in a fresh namespace of the store."""
+
+    def __init__(self, pool: ClientPool, server: StoreServer, state: str, logs: LogCount) -> None:
+        self.pool = pool
+        self.server = server
+        self.world = pool.world
+        self.state = state
+        self.prefix = f"bench/{uuid.uuid4().hex[:12]}/{state}/"
+        self.stop = threading.Event()
+        self.logs = logs
+        self.keys_before = int(pool.observer.num_keys())
+        self.threads_before = set(threading.enumerate())
+        _RECORDERS.clear()
+        self.ranks: list[Rank] = []
+        for rank in range(self.world):
+            recorder = FakeRecorder()
+            _RECORDERS[rank] = recorder
+            self.ranks.append(self._make_rank(rank, recorder))
+        self.threads: list[threading.Thread] = []
+
+    def _make_rank(self, rank: int, recorder: FakeRecorder) -> Rank:
+        train_client, beat_client, *spares = self.pool.of(rank)
+        stores = [CountingStore(train_client, self.prefix), CountingStore(beat_client, self.prefix)]
+
+        def factory() -> CountingStore:
+            if spares:
+                client = spares.pop(0)
+            else:
+                self.pool.extra += 1
+                client = new_client()
+            store = CountingStore(client, self.prefix)
+            stores.append(store)
+            return store
+
+        package = pkg()
+        control = package.control.ControlPlane(
+            rank=rank,
+            world_size=self.world,
+            store=stores[0],
+            group=None,
+            timeout=BARRIER_TIMEOUT,
+            heartbeat_interval=HEARTBEAT,
+            heartbeat_store=stores[1],
+            store_factory=factory,
+        )
+        desync = package.desync
+        monitor = desync.DesyncMonitor(control, desync.CallNotes(), ledger=desync.CallLedger())
+        return Rank(rank, stores, control, monitor, recorder)
+
+    # -------------------------------------------------------------------------------------- threads
+    def start(self, task: Callable[[Rank], Any]) -> None:
+        """Run ``task(rank)`` on a daemon thread per rank (its training thread), recording its end or error."""
+
+        def body(sim_rank: Rank) -> None:
+            try:
+                sim_rank.result = task(sim_rank)
+            except BaseException as err:
+                sim_rank.error, sim_rank.error_at = err, time.monotonic()
+            finally:
+                sim_rank.done = time.monotonic()
+
+        for sim_rank in self.ranks:
+            thread = threading.Thread(target=body, args=(sim_rank,), name=f"sim-rank{sim_rank.rank}", daemon=True)
+            self.threads.append(thread)
+        for thread in self.threads:
+            thread.start()
+
+    def wait_for(self, condition: Callable[[], bool], deadline: float, poll: float = 0.01) -> bool:
+        """Poll ``condition`` until it holds (``True``) or ``deadline`` (``time.monotonic``) passes (``False``)."""
+        while not condition():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep in a rank's thread; raise :class:`StateOver` once the state is over."""
+        if self.stop.wait(seconds):
+            raise StateOver("the benchmark state is over")
+
+    # -------------------------------------------------------------------------------------- counts
+    def tally(self) -> Tally:
+        """The counts and clocks now."""
+        ops, keys, nbytes, calls = [], [], [], Counter[str]()
+        for sim_rank in self.ranks:
+            stores = list(sim_rank.stores)
+            ops.append(sum(s.ops for s in stores))
+            keys.append(sum(s.keys for s in stores))
+            nbytes.append(sum(s.nbytes for s in stores))
+            for store in stores:
+                calls.update(store.calls)
+        times = os.times()
+        return Tally(time.monotonic(), self.server.cpu_seconds(), times.user + times.system, ops, keys, nbytes, calls)
+
+    def keys_left(self) -> int:
+        """Keys this state added to the store (it ran in a namespace of its own)."""
+        return int(self.pool.observer.num_keys()) - self.keys_before
+
+    def read_counter(self, key: str) -> int:
+        """The value of counter ``key`` of this namespace (uncounted)."""
+        return int(self.pool.observer.add(self.prefix + key, 0))
+
+    # -------------------------------------------------------------------------------------- teardown
+    def close(self) -> bool:
+        """End the state: every later store call raises, the heartbeats stop; whether every thread ended."""
+        self.stop.set()
+        for sim_rank in self.ranks:
+            for store in list(sim_rank.stores):
+                store.closed = True
+        for sim_rank in self.ranks:
+            with contextlib.suppress(Exception):
+                sim_rank.control.close(graceful=False)
+        deadline = time.monotonic() + 20
+        for thread in set(threading.enumerate()) - self.threads_before:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not (set(threading.enumerate()) - self.threads_before)
+
+
+def window(first: Tally, last: Tally) -> dict[str, Any]:
+    """Rates between two tallies."""
+    wall = max(last.wall - first.wall, 1e-9)
+    world = len(first.ops)
+    ops = [b - a for a, b in zip(first.ops, last.ops, strict=True)]
+    keys = [b - a for a, b in zip(first.keys, last.keys, strict=True)]
+    nbytes = [b - a for a, b in zip(first.nbytes, last.nbytes, strict=True)]
+    calls = last.calls - first.calls
+    server = last.server_cpu - first.server_cpu
+    return {
+        "seconds": wall,
+        "ops": sum(ops),
+        "keys": sum(keys),
+        "bytes": sum(nbytes),
+        "ops_per_s": sum(ops) / wall,
+        "ops_per_rank_s": sum(ops) / world / wall,
+        "ops_per_rank_s_max": max(ops) / wall,
+        "keys_per_s": sum(keys) / wall,
+        "keys_per_rank_s": sum(keys) / world / wall,
+        "bytes_per_s": sum(nbytes) / wall,
+        "bytes_per_rank_s": sum(nbytes) / world / wall,
+        "server_cpu_s": server,
+        "server_busy": server / wall,
+        "client_busy": (last.client_cpu - first.client_cpu) / wall,
+        "calls": dict(calls.most_common()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- states
+@dataclass
+class Timing:
+    """The windows of one state's run (the seconds are set by the command line, shorter with ``--quick``)."""
+
+    steady: float = 6.0
+    warmup: float = 1.5
+    late: float = 5.0
+    wait: float = 10.0
+    fail_after: float = 1.5  # half a poll interval off the barrier's own 1 s look at the missing ranks
+    signal_after: float = 1.5  # half a poll interval off the agreement's own 1 s polls
+    step: float = 0.02
+    budget: float = 90.0  # seconds a state may take beyond its own windows before it is cut ("timed out")
+
+
+@dataclass
+class Outcome:
+    """What one state measured: the traffic window, the latency and notes."""
+
+    traffic: dict[str, Any]
+    latency_s: float | None = None
+    latency: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+
+
+def _train(sim: Sim, sim_rank: Rank, period: float) -> None:
+    """A training loop: one completed all_reduce and one ``note_step`` per step, until the state is over."""
+    step = 100
+    while True:
+        step += 1
+        sim_rank.recorder.run(step)
+        sim_rank.control.note_step(step, batch=step, epoch=0, epoch_batch=step)
+        sim.sleep(period)
+
+
+def state_steady(sim: Sim, timing: Timing) -> Outcome:
+    sim.start(lambda r: _train(sim, r, 0.01))
+    time.sleep(timing.warmup)
+    first = sim.tally()
+    time.sleep(timing.steady)
+    return Outcome(window(first, sim.tally()))
+
+
+def _enter_training(sim_rank: Rank) -> None:
+    sim_rank.recorder.run(100)
+    sim_rank.control.note_step(100, batch=100, epoch=0, epoch_batch=100)
+
+
+def state_barrier_late(sim: Sim, timing: Timing) -> Outcome:
+    entered: list[float] = []
+
+    def task(sim_rank: Rank) -> None:
+        _enter_training(sim_rank)
+        if sim_rank.rank == 0:
+            sim.sleep(timing.late)  # writing a checkpoint
+            entered.append(time.monotonic())
+        sim_rank.control.barrier("save")
+
+    first = sim.tally()
+    sim.start(task)
+    deadline = first.wall + timing.late + timing.budget
+    sim.wait_for(lambda: bool(entered), deadline)
+    at_entry = sim.tally()
+    all_back = sim.wait_for(lambda: all(r.done is not None for r in sim.ranks), deadline)
+    outcome = Outcome(window(first, at_entry))
+    errors = [r for r in sim.ranks if r.error is not None]
+    outcome.notes["errors"] = _errors(errors)
+    if not entered or not all_back:
+        outcome.status = "timed out"
+    elif not errors:
+        outcome.latency_s = max(r.done for r in sim.ranks if r.done is not None) - entered[0]
+        outcome.latency = f"rank 0 enters -> last rank returns: {outcome.latency_s:.2f} s"
+    return outcome
+
+
+def state_long_wait(sim: Sim, timing: Timing) -> Outcome:
+    def task(sim_rank: Rank) -> None:
+        _enter_training(sim_rank)
+        sim_rank.recorder.block(101)
+        sim.sleep(timing.wait)
+        sim_rank.recorder.run(101)
+        sim_rank.recorder.in_torch = False
+
+    first = sim.tally()
+    sim.start(task)
+    time.sleep(timing.wait)
+    outcome = Outcome(window(first, sim.tally()))
+    inquiries = sim.read_counter("desync/inquiry")
+    verdicts = [r.control.desync_error for r in sim.ranks if r.control.desync_error is not None]
+    verdict = "none" if not verdicts else str(verdicts[0]).splitlines()[0][:160]
+    outcome.notes.update({"inquiries": inquiries, "verdict": verdict, "ranks_with_verdict": len(verdicts)})
+    outcome.latency = f"inquiries opened: {inquiries}; verdict: {verdict}"
+    return outcome
+
+
+def state_desync(sim: Sim, timing: Timing) -> Outcome:
+    def task(sim_rank: Rank) -> None:
+        _enter_training(sim_rank)
+        if sim_rank.rank == 0:
+            sim_rank.control.barrier("only_rank0")
+        else:
+            sim_rank.recorder.block(101)
+            while not sim.stop.is_set():
+                sim.sleep(1.0)
+
+    def told(sim_rank: Rank) -> bool:
+        mismatch = pkg().errors.CollectiveMismatchError
+        return sim_rank.control.desync_error is not None or isinstance(sim_rank.error, mismatch)
+
+    first = sim.tally()
+    sim.start(task)
+    told_at: dict[int, float] = {}
+
+    def everyone_told() -> bool:
+        for sim_rank in sim.ranks:
+            if sim_rank.rank not in told_at and told(sim_rank):
+                told_at[sim_rank.rank] = time.monotonic()
+        return len(told_at) == sim.world
+
+    done = sim.wait_for(everyone_told, first.wall + timing.budget)
+    outcome = Outcome(window(first, sim.tally()))
+    error = sim.ranks[0].error or sim.ranks[0].control.desync_error
+    outcome.notes.update(
+        {
+            "rank0_error": _describe(error),
+            "ranks_with_error": len(told_at),
+            "inquiries": sim.read_counter("desync/inquiry"),
+        }
+    )
+    if not done:
+        outcome.status = "timed out"
+    else:
+        outcome.latency_s = max(told_at.values()) - first.wall
+        reason = getattr(error, "reason", None)
+        outcome.latency = f"start -> desync_error on every rank: {outcome.latency_s:.2f} s (rank 0: reason={reason})"
+    return outcome
+
+
+def state_failed_peer(sim: Sim, timing: Timing) -> Outcome:
+    failed_at: list[float] = []
+    last = sim.world - 1
+
+    def task(sim_rank: Rank) -> None:
+        _enter_training(sim_rank)
+        if sim_rank.rank != last:
+            sim_rank.control.barrier("save")
+            return
+        sim.sleep(timing.fail_after)
+        failed_at.append(time.monotonic())
+        sim_rank.control.note_failure(RuntimeError("injected"))
+        while not sim.stop.is_set():
+            sim.sleep(1.0)
+
+    waiting = sim.ranks[:last]
+    first = sim.tally()
+    sim.start(task)
+    deadline = first.wall + timing.fail_after + timing.budget
+    done = sim.wait_for(lambda: all(r.done is not None for r in waiting), deadline)
+    outcome = Outcome(window(first, sim.tally()))
+    errors = [r for r in waiting if r.error is not None]
+    reasons = Counter(str(getattr(r.error, "reason", type(r.error).__name__)) for r in errors)
+    outcome.notes.update({"reasons": dict(reasons), "errors": _errors(errors)})
+    if not done or not failed_at:
+        outcome.status = "timed out"
+    elif len(errors) == len(waiting):
+        outcome.latency_s = max(r.error_at for r in errors if r.error_at is not None) - failed_at[0]
+        named = ", ".join(f"{n}x {k}" for k, n in reasons.items())
+        outcome.latency = f"failure -> error on every waiting rank: {outcome.latency_s:.2f} s ({named})"
+    else:
+        outcome.status = "some ranks returned without an error"
+    return outcome
+
+
+def state_preemption(sim: Sim, timing: Timing) -> Outcome:
+    lockstep = threading.Barrier(sim.world, timeout=timing.budget)
+    make_agreement = pkg().preemption.PreemptionAgreement
+    agreements = [make_agreement(rank=r.rank, world_size=sim.world, poll_interval=HEARTBEAT) for r in sim.ranks]
+
+    def task(sim_rank: Rank) -> int:
+        agreement = agreements[sim_rank.rank]
+        step = 100
+        try:
+            while True:
+                step += 1
+                sim_rank.recorder.run(step)
+                sim_rank.control.note_step(step, batch=step, epoch=0, epoch_batch=step)
+                sim.sleep(timing.step)  # forward and backward
+                lockstep.wait()  # DDP's gradient all-reduce: no rank runs ahead
+                if agreement.at_step_boundary(sim_rank.control.store, step):
+                    return step
+        except BaseException:
+            lockstep.abort()
+            raise
+
+    first = sim.tally()
+    sim.start(task)
+    time.sleep(timing.signal_after)
+    requested = time.monotonic()
+    agreements[1].request(signal.SIGTERM)
+    at_request = sim.tally()
+    done = sim.wait_for(lambda: all(r.done is not None for r in sim.ranks), requested + timing.budget)
+    outcome = Outcome(window(at_request, sim.tally()))
+    before = window(first, at_request)
+    errors = [r for r in sim.ranks if r.error is not None]
+    stops = sorted({r.result for r in sim.ranks if r.error is None and r.result is not None})
+    outcome.notes.update(
+        {
+            "before_signal_ops_per_rank_s": before["ops_per_rank_s"],
+            "before_signal_keys_per_rank_s": before["keys_per_rank_s"],
+            "stop_steps": stops,
+            "steps_per_s": (max(stops) - 100) / (time.monotonic() - first.wall) if stops else None,
+            "errors": _errors(errors),
+        }
+    )
+    if not done:
+        outcome.status = "timed out"
+    elif errors:
+        outcome.status = "ranks failed"
+    else:
+        outcome.latency_s = max(r.done for r in sim.ranks if r.done is not None) - requested
+        outcome.latency = f"SIGTERM on rank 1 -> every rank stopped: {outcome.latency_s:.2f} s (stop step {stops})"
+    return outcome
+
+
+STATE_RUNNERS: dict[str, Callable[[Sim, Timing], Outcome]] = {
+    "steady": state_steady,
+    "barrier-late": state_barrier_late,
+    "long-wait": state_long_wait,
+    "desync": state_desync,
+    "failed-peer": state_failed_peer,
+    "preemption": state_preemption,
+}
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def _errors(ranks: list[Rank]) -> dict[str, int]:
+    """The ranks' errors, counted by their text with numbers replaced by N (rank numbers, seconds)."""
+    return dict(Counter(re.sub(r"\d+(\.\d+)?", "N", _describe(r.error)) for r in ranks).most_common(5))
+
+
+def run_state(state: str, pool: ClientPool, server: StoreServer, timing: Timing, logs: LogCount) -> dict[str, Any]:
+    """One state at one W: build the ranks, run the state, tear down; the measurement as a JSON-ready dict."""
+    logs.counts.clear()
+    exits_before = len(_PROCESS.exits)
+    stderr_before = _SYS.lines
+    started = time.monotonic()
+    sim = Sim(pool, server, state, logs)
+    build_s = time.monotonic() - started
+    outcome = Outcome({}, status="not run")
+    try:
+        outcome = STATE_RUNNERS[state](sim, timing)
+    except Exception as err:  # a broken state is reported, the benchmark goes on
+        outcome.status = f"failed: {_describe(err)}"
+    finally:
+        log_counts = dict(logs.counts.most_common(8))
+        keys_left = sim.keys_left()
+        clean = sim.close()
+    return {
+        "state": state,
+        "world": pool.world,
+        "kind": "measured",
+        "status": outcome.status,
+        "build_s": build_s,
+        "run_s": time.monotonic() - started,
+        **outcome.traffic,
+        "latency_s": outcome.latency_s,
+        "latency": outcome.latency,
+        "keys_left": keys_left,
+        "notes": {
+            **outcome.notes,
+            "log_records": log_counts,
+            "exits": len(_PROCESS.exits) - exits_before,
+            "stderr_lines": _SYS.lines - stderr_before,
+            "threads_ended": clean,
+        },
+        "loadavg": os.getloadavg(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- extrapolation
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``y = a + b*x``; a single point gives ``b = 0``."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    if n < 2 or var == 0:
+        return mean_y, 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    return mean_y - slope * mean_x, slope
+
+
+MIN_SERVER_CPU = 0.2  # seconds: below, a state's own server CPU per operation is too coarse (10 ms clock ticks)
+
+
+def _server_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Server CPU seconds per operation and per key touched, over ``rows``."""
+    cpu = sum(r["server_cpu_s"] for r in rows)
+    ops = sum(r["ops"] for r in rows)
+    keys = sum(r["keys"] for r in rows)
+    return (cpu / ops if ops else 0.0), (cpu / keys if keys else 0.0)
+
+
+def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[str, Any]]:
+    """Rows for larger W: per-rank rates fitted as ``a + b*W``, server busy = total rate x CPU per op at the top W.
+
+    The CPU per operation is the state's own at its largest measured W, or (when that state used less than
+    :data:`MIN_SERVER_CPU` of server CPU there) the one of every state at the largest measured W together.
+    """
+    out = []
+    ok = [r for r in rows if r["kind"] == "measured" and "ops" in r]
+    largest = max((r["world"] for r in ok), default=0)
+    pooled = _server_cost([r for r in ok if r["world"] == largest])
+    for state in STATES:
+        measured = [r for r in ok if r["state"] == state]
+        if not measured:
+            continue
+        top = max(measured, key=lambda r: r["world"])
+        own = top["server_cpu_s"] >= MIN_SERVER_CPU
+        per_op, per_key = _server_cost([top]) if own else pooled
+        fits = {
+            name: _fit([(r["world"], r[name]) for r in measured])
+            for name in ("ops_per_rank_s", "keys_per_rank_s", "bytes_per_rank_s")
+        }
+        for world in worlds:
+            if world <= top["world"]:
+                continue
+            rates = {name: max(0.0, a + b * world) for name, (a, b) in fits.items()}
+            out.append(
+                {
+                    "state": state,
+                    "world": world,
+                    "kind": "extrapolated",
+                    "status": "extrapolated",
+                    **rates,
+                    "ops_per_s": rates["ops_per_rank_s"] * world,
+                    "keys_per_s": rates["keys_per_rank_s"] * world,
+                    "bytes_per_s": rates["bytes_per_rank_s"] * world,
+                    "server_busy": rates["ops_per_rank_s"] * world * per_op,
+                    "server_busy_by_keys": rates["keys_per_rank_s"] * world * per_key,
+                    "fit": {name: {"a": a, "b": b} for name, (a, b) in fits.items()},
+                    "server_cpu_per_op_us": per_op * 1e6,
+                    "server_cpu_per_key_us": per_key * 1e6,
+                    "server_cost_from": f"{state} at W={top['world']}" if own else f"every state at W={largest}",
+                    "from_worlds": [r["world"] for r in measured],
+                }
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _num(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:.{digits}f}M"
+    if abs(value) >= 1e4:
+        return f"{value / 1e3:.{digits}f}k"
+    return f"{value:.{digits}f}"
+
+
+def _busy(row: dict[str, Any]) -> str:
+    if row["kind"] == "extrapolated":
+        return f"{row['server_busy']:.2f} ({row['server_busy_by_keys']:.2f} by keys)"
+    return f"{row['server_busy']:.2f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results table."""
+    head = (
+        "| label | state | W | kind | ops/s per rank (mean / max) | ops/s total | keys/s per rank | keys/s total | "
+        "B/s per rank | B/s total | server busy | client CPU | latency / outcome | keys left |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    for row in result["rows"]:
+        measured = row["kind"] == "measured"
+        if "ops" not in row and measured:
+            lines.append(
+                f"| {result['label']} | {row['state']} | {row['world']} | measured | {row['status']} |" + " |" * 9
+            )
+            continue
+        per_rank = _num(row["ops_per_rank_s"], 2)
+        if measured:
+            per_rank += f" / {_num(row['ops_per_rank_s_max'], 1)}"
+        outcome = row.get("latency") or ""
+        if measured and row["status"] != "ok":
+            outcome = f"**{row['status']}** {outcome}".strip()
+        cells = [
+            result["label"],
+            row["state"],
+            str(row["world"]),
+            row["kind"] if measured else "*extrapolated*",
+            per_rank,
+            _num(row["ops_per_s"]),
+            _num(row["keys_per_rank_s"]),
+            _num(row["keys_per_s"]),
+            _num(row["bytes_per_rank_s"], 0),
+            _num(row["bytes_per_s"]),
+            _busy(row),
+            f"{row['client_busy']:.2f}" if measured else "-",
+            outcome if measured else "-",
+            str(row["keys_left"]) if measured else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    extrapolated = [r for r in result["rows"] if r["kind"] == "extrapolated"]
+    if extrapolated:
+        biggest = max(r["world"] for r in extrapolated)
+        busy = ", ".join(
+            f"{r['state']} {r['server_busy']:.2f} ({r['server_busy_by_keys']:.2f})"
+            for r in extrapolated
+            if r["world"] == biggest
+        )
+        lines += ["", f"Server busy at W={biggest} (extrapolated; by operations, in brackets by keys): {busy}."]
+    env = result["environment"]
+    source = result["source"]
+    lines += [
+        "",
+        f"{result['date']}, label `{result['label']}`: threads as ranks in one process, one TCPStore server process "
+        f"(libuv); heartbeat_interval={HEARTBEAT:g} s, fake Flight Recorder with {result['trace_entries']} entries. "
+        f"{env['cores']} cores, load average {result['loadavg_start'][0]:.1f} at the start and "
+        f"{result['loadavg_end'][0]:.1f} at the end; torch {env['torch']}, ddp_strategy {env['ddp_strategy']} "
+        f"at commit {source['commit'][:10]}{' (with uncommitted changes)' if source['dirty'] else ''}.",
+        "Server busy = server CPU s / wall s (1.00 = its one loop thread saturated); client CPU = this process's CPU "
+        "s / wall s (2 cores: near 1-2, the simulated ranks could not keep up). Bytes: keys and values only. "
+        "Extrapolated rows: per-rank rates fitted as a + b*W over the measured W, server busy = total ops/s x the "
+        "server CPU per operation at the largest measured W (in brackets: x the CPU per key touched).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def print_row(row: dict[str, Any]) -> None:
+    """One progress line."""
+    if "ops" not in row:
+        print(f"{row['state']:>12} W={row['world']:<4} {row['status']}", flush=True)
+        return
+    print(
+        f"{row['state']:>12} W={row['world']:<4} ops/s/rank {row['ops_per_rank_s']:8.2f} "
+        f"total {row['ops_per_s']:9.1f} keys/s {row['keys_per_s']:10.1f} server {row['server_busy']:.2f} "
+        f"client {row['client_busy']:.2f} keys left {row['keys_left']:>5} {row['status']} {row['latency']}",
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--worlds", default="8,64,256", help="comma-separated world sizes (default 8,64,256)")
+    parser.add_argument("--states", default=",".join(STATES), help=f"comma-separated, of {', '.join(STATES)}")
+    parser.add_argument("--quick", action="store_true", help="W = 8, 32 and short windows (CI smoke)")
+    parser.add_argument("--label", default="before", help="stored in the JSON and shown in the table")
+    parser.add_argument("--out", type=Path, help="output path without suffix (.json and .md are written)")
+    parser.add_argument("--extrapolate", default=",".join(map(str, EXTRAPOLATE)), help="W to extrapolate to")
+    parser.add_argument("--trace-entries", type=int, default=16, help="fake Flight Recorder entries per rank")
+    parser.add_argument("--budget", type=float, default=90.0, help="seconds a state may overrun before it is cut")
+    parser.add_argument("--spares", type=int, default=1, help="connections per rank kept for store_factory")
+    parser.add_argument(
+        "--src-commit",
+        metavar="REV",
+        help="measure the package of this commit (its src/, extracted to a temporary directory), not the working tree",
+    )
+    args = parser.parse_args(argv)
+    if args.quick and args.worlds == parser.get_default("worlds"):
+        args.worlds = "8,32"
+    args.world_list = sorted({int(w) for w in args.worlds.split(",") if w.strip()})
+    args.state_list = [s.strip() for s in args.states.split(",") if s.strip()]
+    unknown = [s for s in args.state_list if s not in STATES]
+    if unknown or any(w < 2 for w in args.world_list):
+        parser.error(f"unknown states {unknown}" if unknown else "every world size must be >= 2")
+    if args.out is None:
+        args.out = RESULTS / (f"control_plane_scale_{args.label}" + ("-quick" if args.quick else ""))
+    args.out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
+    return args
+
+
+def timing_for(args: argparse.Namespace) -> Timing:
+    if args.quick:
+        return Timing(steady=3.0, warmup=1.0, late=3.0, wait=6.0, budget=min(args.budget, 45.0))
+    return Timing(budget=args.budget)
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ddp_strategy": getattr(pkg().root, "__version__", "?"),
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+
+
+@contextlib.contextmanager
+def package_logs() -> Iterator[LogCount]:
+    """Count the package's log records instead of printing them."""
+    handler = LogCount()
+    logger = logging.getLogger("ddp_strategy")
+    old = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old[0])
+        logger.propagate = old[1]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    global PKG
+    timing = timing_for(args)
+    PKG = load_package(args.src_commit)
+    _TRACE_ENTRIES[0] = args.trace_entries
+    install_fakes()
+    result: dict[str, Any] = {
+        "label": args.label,
+        "source": PKG.source,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "worlds": args.world_list,
+        "states": args.state_list,
+        "quick": args.quick,
+        "timing": timing.__dict__,
+        "trace_entries": args.trace_entries,
+        "heartbeat_interval": HEARTBEAT,
+        "environment": environment(),
+        "loadavg_start": os.getloadavg(),
+        "pytest_running_at_start": _pytest_running(),
+        "rows": [],
+        "connections": {},
+    }
+    server = StoreServer()
+    _SERVER_PORT[0] = server.port
+    try:
+        with package_logs() as logs:
+            for world in args.world_list:
+                pool = ClientPool(world, args.spares)
+                opened: dict[str, Any] = {"open_s": [pool.open_seconds], "count": pool.count, "extra": 0}
+                print(f"W={world}: {pool.count} connections opened in {pool.open_seconds:.1f} s", flush=True)
+                for state in args.state_list:
+                    row = run_state(state, pool, server, timing, logs)
+                    result["rows"].append(row)
+                    print_row(row)
+                    if not row["notes"]["threads_ended"]:  # a thread may still use a client: open new ones
+                        opened["extra"] += pool.extra
+                        pool = ClientPool(world, args.spares)
+                        opened["open_s"].append(pool.open_seconds)
+                opened["extra"] += pool.extra
+                result["connections"][str(world)] = opened
+                del pool
+    finally:
+        server.kill()
+    extra = [int(w) for w in args.extrapolate.split(",") if w.strip()]
+    result["rows"] += extrapolate(result["rows"], extra)
+    result["loadavg_end"] = os.getloadavg()
+    return result
+
+
+def _pytest_running() -> bool:
+    found = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True, check=False)
+    return bool(found.stdout.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    threading.stack_size(1 << 20)  # a thousand threads or more
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    text = markdown(result)
+    args.out.with_suffix(".md").write_text(text)
+    print()
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

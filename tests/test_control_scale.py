@@ -15,39 +15,42 @@ import pytest
 import torch.distributed as dist
 
 from ddp_strategy.control import ControlPlane
+from ddp_strategy.desync import CallNotes, DesyncMonitor, RankReport
 from ddp_strategy.errors import CollectiveMismatchError
 
 pytestmark = pytest.mark.serial  # dozens of threads with sub-second waits: run alone (make test)
 
 
 class CountingStore:
-    """One rank's connection to a shared store: counts its calls and the keys they touch."""
+    """One rank's connection to a shared store: counts its calls and the keys they touch (``by_key``: per key)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.ops = 0
         self.keys = 0
+        self.by_key: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _count(self, keys: int) -> None:
+    def _count(self, keys: int, key: str = "") -> None:
         with self._lock:
             self.ops += 1
             self.keys += keys
+            self.by_key[key] = self.by_key.get(key, 0) + 1
 
     def set(self, key: str, value: str) -> None:
-        self._count(1)
+        self._count(1, key)
         self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
-        self._count(1)
+        self._count(1, key)
         return bytes(self.inner.get(key))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self._count(len(keys))
+        self._count(len(keys), "multi_get")
         return list(self.inner.multi_get(keys))
 
     def check(self, keys: list[str]) -> bool:
-        self._count(len(keys))
+        self._count(len(keys), keys[0] if len(keys) == 1 else "")
         return bool(self.inner.check(keys))
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
@@ -59,7 +62,7 @@ class CountingStore:
         return bool(self.inner.delete_key(key))
 
     def add(self, key: str, amount: int) -> int:
-        self._count(1)
+        self._count(1, key)
         return int(self.inner.add(key, amount))
 
     def append(self, key: str, value: str) -> None:
@@ -126,7 +129,7 @@ def test_a_barrier_with_a_late_rank_costs_each_rank_the_same_few_operations_at_8
 
 
 def test_a_barrier_leaves_no_key_behind():
-    stores, shared = late_rank_barrier(16, late=0.2)
+    _, shared = late_rank_barrier(16, late=0.2)
     # left per run: each rank's position and the list of ranks that published one (one key for all)
     assert shared.num_keys() == 16 + 1
 
@@ -157,3 +160,81 @@ def test_rank0_only_barrier_is_named_by_the_leader_alone():
     assert stores[0].ops <= 20  # arrive, quick looks, wait, one scan at the timeout (arrived + one batched read)
     for plane in planes:
         plane.close()
+
+
+class _Control:
+    """What a DesyncMonitor's inquiry reads of its control plane (one simulated rank, no threads)."""
+
+    heartbeat_interval = 1.0
+
+    def __init__(self, rank: int, world_size: int, store: CountingStore) -> None:
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.desync_error: CollectiveMismatchError | None = None
+        self.in_barrier = None
+        self.position = type("P", (), {"kind": "barrier"})()
+
+    def add_beat(self, hook: Any) -> None:
+        pass
+
+    def forget_at_close(self, *keys: str, shared: bool = False) -> None:
+        pass
+
+    def failures_published(self, store: Any = None) -> int:
+        return int(self.store.add("failure/count", 0))
+
+
+def inquiry(world_size: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[CountingStore], list[Any]]:
+    """Every rank answers inquiry 1: rank 0 waits in barrier 'only_rank0', the others in the next all-reduce."""
+    shared = dist.HashStore()
+    stores = [CountingStore(shared) for _ in range(world_size)]
+    controls = [_Control(r, world_size, stores[r]) for r in range(world_size)]
+    monitors = [DesyncMonitor(c, CallNotes()) for c in controls]  # type: ignore[arg-type]
+
+    def report(self: DesyncMonitor) -> RankReport:
+        rank = self.control.rank
+        waiting = "barrier 3 'only_rank0'" if rank == 0 else "collective 0#7"
+        site = "train.py:55 in training_step" if rank == 0 else ""
+        return RankReport(rank=rank, calls=(), waiting=waiting, waiting_since=1.0, barrier_site=site, step=2)
+
+    monkeypatch.setattr(DesyncMonitor, "report", report)
+    monkeypatch.setattr(DesyncMonitor, "_current_wait", lambda self: ("", 0.0))
+    shared.add("desync/inquiry", 1)  # rank 0 opened inquiry 1
+    results: list[Any] = [None] * world_size
+
+    def answer(rank: int) -> None:
+        results[rank] = monitors[rank]._answer(stores[rank], 1)
+
+    threads = [threading.Thread(target=answer, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a simulated rank hung"
+    return stores, results
+
+
+def test_a_desync_inquiry_costs_each_rank_the_same_few_operations_at_8_and_32_ranks(monkeypatch):
+    # before issue 32 every rank looped over W single checks and 2W position reads every 50 ms, then read all W
+    # reports (W^2 reports through the store); now one rank reads the reports, in batches, and writes the verdict
+    per_world = {}
+    for world_size in (8, 32):
+        stores, results = inquiry(world_size, monkeypatch)
+        texts = {str(error) for error in results}
+        assert len(texts) == 1 and "wait at barrier 'only_rank0'" in texts.pop()  # the same verdict everywhere
+        deciders = [s for s in stores if s.by_key.get("multi_get")]
+        assert len(deciders) == 1  # only the rank that completed the count read the reports
+        assert deciders[0].by_key["multi_get"] == -(-world_size // 16)  # in batches of 16
+        # each look at the verdict (paced by W: 50 ms up to 64 ranks) is one loop of three reads: the verdict, the
+        # newest inquiry's number, the count of failed ranks
+        looks = [s.by_key.get("desync/verdict/1", 0) for s in stores]
+        others = [s.ops - 3 * n for s, n in zip(stores, looks, strict=True) if s is not deciders[0]]
+        # set(report), add(reported), get(verdict), add(read), append(holding), and the last reader's two deletes:
+        # the same at any world size
+        assert max(others) <= 6, others
+        per_world[world_size] = max(others)
+    assert per_world[32] == per_world[8]
+    # left: the inquiry counter, who holds the verdict, the failure count (all three deleted at the control plane's
+    # close); the reports, the report count, the verdict and its read count are gone
+    assert stores[0].inner.num_keys() == 3
+    for key in ("desync/inquiry", "desync/holding", "failure/count"):
+        assert stores[0].inner.check([key])

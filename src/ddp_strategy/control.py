@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import torch.distributed as dist
 
-from ._compat.torch import default_store, new_store_connection
+from ._compat.torch import default_store, new_lazy_gloo_group, new_store_connection
 from .errors import CollectiveMismatchError, DDPStrategyError
 from .object_collectives import KeepAlive, all_gather_objects, broadcast_object, gather_objects
 from .positions import Position, call_site, format_ranks
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .peers import PeerDiagnosis
 
 __all__ = [
+    "RANKS_PER_INTERVAL",
     "ControlPlane",
     "RankFailure",
     "Store",
@@ -54,6 +55,7 @@ __all__ = [
     "failures",
     "first_failure",
     "from_rank",
+    "scaled_interval",
     "to_timedelta",
 ]
 
@@ -63,6 +65,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _POSITION_KEY = POSITION_KEY
+#: Up to this many ranks, heartbeats come every ``heartbeat_interval``; beyond, the interval grows in proportion.
+RANKS_PER_INTERVAL = 512
 _FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' heartbeat threads look for it
 _FAILURES_KEY = "failure/count"  # how many ranks published a failure
 _SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
@@ -106,6 +110,15 @@ class Store(Protocol):
 
         Returns the value of ``key`` afterwards.
         """
+
+
+def scaled_interval(interval: float, world_size: int) -> float:
+    """``interval`` for a background poll of every rank, grown beyond :data:`RANKS_PER_INTERVAL` ranks in proportion.
+
+    Every rank polling once per interval costs the store ``world_size / interval`` operations a second; growing the
+    interval with the world size keeps that flat (512 ranks: as given; 4096 ranks: 8 times as long).
+    """
+    return interval * max(1.0, world_size / RANKS_PER_INTERVAL)
 
 
 def to_timedelta(value: float | timedelta, *, name: str) -> timedelta:
@@ -275,7 +288,8 @@ class ControlPlane:
         store: the rendezvous store, already namespaced to this run.
         group: the gloo process group for small object collectives, or ``None`` when ``world_size == 1``.
         timeout: how long a barrier waits for the other ranks.
-        heartbeat_interval: how often (seconds) a background thread re-publishes this rank's position.
+        heartbeat_interval: how often (seconds) a background thread re-publishes this rank's position, up to
+            :data:`RANKS_PER_INTERVAL` ranks; beyond, in proportion to the world size (4096 ranks: 8 times as long).
         heartbeat_store: a second connection to the store for the heartbeat thread (defaults to ``store``).
         store_factory: opens a new connection to the namespaced store, for other background threads (see
             :meth:`connect`); without it :meth:`connect` returns ``store``.
@@ -305,9 +319,11 @@ class ControlPlane:
         self._stop = threading.Event()
         self._heartbeat_store = heartbeat_store if heartbeat_store is not None else store
         self._store_factory = store_factory
-        self._heartbeat_interval = heartbeat_interval
+        # beyond RANKS_PER_INTERVAL ranks the interval (and every staleness limit derived from it) grows in
+        # proportion, so that the store sees the same number of heartbeats per second at any world size
+        self._heartbeat_interval = scaled_interval(heartbeat_interval, world_size)
         # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
-        self._poll_interval = heartbeat_interval if heartbeat_interval > 0 else 1.0
+        self._poll_interval = self._heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
         self._waiter_store: Store | None = None  # a barrier's blocking wait, on a connection of its own
         # keys deleted at a graceful close: this rank's own, and (by rank 0) those every rank shares
@@ -358,7 +374,7 @@ class ControlPlane:
                 "`ControlPlane.create` must run after `init_process_group` (the strategy's setup_environment)."
             )
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        group = new_lazy_gloo_group(timeout)  # no full mesh: pairs connect on first use
         if not isinstance(group, dist.ProcessGroup):  # every rank is a member of this group
             raise RuntimeError(f"ddp_strategy: creating the gloo control group returned {group!r}")
         keep = KeepAlive()
@@ -578,7 +594,11 @@ class ControlPlane:
 
     @property
     def heartbeat_interval(self) -> float:
-        """Seconds between two publications of this rank's position (``0``: no heartbeat thread)."""
+        """Seconds between two publications of this rank's position (``0``: no heartbeat thread).
+
+        The configured interval, scaled up beyond :data:`RANKS_PER_INTERVAL` ranks; every staleness limit (a rank
+        whose heartbeat is older than a few intervals counts as dead) is a multiple of it.
+        """
         return self._heartbeat_interval
 
     def connect(self) -> Store:

@@ -54,7 +54,15 @@ from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
 from .checkpoint.keys import BUCKET_LAYOUT_KEY, NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
-from .control import ControlPlane, RankFailure, also_failed, first_failure, from_rank, to_timedelta
+from .control import (
+    ControlPlane,
+    RankFailure,
+    also_failed,
+    first_failure,
+    from_rank,
+    scaled_interval,
+    to_timedelta,
+)
 from .desync import (
     TRACE_ENTRIES,
     CallLedger,
@@ -463,9 +471,8 @@ class SafeDDPStrategy(DDPStrategy):
         self._preemption = None
         if not self.preemption_signals or trainer.state.fn != TrainerFn.FITTING:
             return
-        agreement = PreemptionAgreement(
-            rank=self.global_rank, world_size=self.world_size, poll_interval=self.heartbeat_interval or 1.0
-        )
+        poll = scaled_interval(self.heartbeat_interval or 1.0, self.world_size)  # flat store load at any size
+        agreement = PreemptionAgreement(rank=self.global_rank, world_size=self.world_size, poll_interval=poll)
         self._preemption = PreemptionStop(agreement, self._control_plane_or_none, self._finish_async_writes)
         add_callback(trainer, self._preemption, replace=PreemptionStop)
         handle_signals_during_run(trainer, self.preemption_signals, agreement.request, self._deliver_unused_signal)

@@ -24,6 +24,7 @@ __all__ = [
     "detach_ddp_reducer",
     "enable_collective_trace",
     "gloo_worker_threads",
+    "new_lazy_gloo_group",
     "new_store_connection",
     "pin_python_thread_states",
     "rebuild_ddp_buckets",
@@ -41,6 +42,26 @@ def default_store() -> Any:
 def new_store_connection(store: Any) -> Any:
     """A second client connection to ``store``, for a background thread (``Store.clone``, torch >= 2.8)."""
     return store.clone()
+
+
+_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def new_lazy_gloo_group(timeout: Any) -> Any:
+    """A new gloo group of every rank whose connections are made on first use (collective: every rank calls it).
+
+    torch's gloo backend connects every pair of ranks when a group is created (``W - 1`` sockets per rank and ``W^2``
+    address exchanges through the store) unless ``TORCH_GLOO_LAZY_INIT`` is set when it is built; then a pair
+    connects the first time a collective needs it: a ring all-gather connects each rank to its two neighbours, a
+    gather the root to every rank. The variable is set for this call only (a value the user set is kept).
+    """
+    user = os.environ.get(_GLOO_LAZY_INIT)
+    os.environ[_GLOO_LAZY_INIT] = user if user is not None else "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if user is None:
+            os.environ.pop(_GLOO_LAZY_INIT, None)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -44,6 +44,7 @@ SHARED_MODULES = frozenset(
         "peers",
         "positions",
         "preemption",
+        "store_barrier",
         "trainable",
     }
 )

@@ -238,3 +238,37 @@ def test_a_desync_inquiry_costs_each_rank_the_same_few_operations_at_8_and_32_ra
     assert stores[0].inner.num_keys() == 3
     for key in ("desync/inquiry", "desync/holding", "failure/count"):
         assert stores[0].inner.check([key])
+
+
+def test_ranks_that_fail_together_survey_their_peers_once(caplog):
+    # rank 15 dies (its heartbeat stops); the 15 others get a backend error each and diagnose at once: one of them
+    # reads every rank's position and publishes what it found, the others read that one key
+    from ddp_strategy.peers import diagnose_failed_peers
+
+    world_size = 16
+    shared = dist.HashStore()
+    stores = [CountingStore(shared) for _ in range(world_size)]
+    planes = [
+        ControlPlane(
+            rank=r, world_size=world_size, store=stores[r], group=None, timeout=timedelta(seconds=5),
+            heartbeat_interval=0.05 if r < world_size - 1 else 0,
+        )
+        for r in range(world_size)
+    ]  # fmt: skip
+    time.sleep(0.2)  # every live rank has published a heartbeat
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+    found: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=lambda p=p: found.__setitem__(p.rank, diagnose_failed_peers(p, error)))
+        for p in planes[:-1]
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a simulated rank hung"
+    assert {rank: d.gone for rank, d in found.items()} == {rank: (15,) for rank in range(15)}
+    surveyors = [rank for rank in range(15) if stores[rank].by_key.get("multi_get")]
+    assert len(surveyors) == 1  # one rank read the positions (batched); before issue 32 all 15 did, 10 times a second
+    for plane in planes:
+        plane.close()

@@ -8,6 +8,7 @@ without reading or waiting again.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ __all__ = ["PeerDiagnosis", "diagnose_failed_peers"]
 log = logging.getLogger(__name__)
 
 _MAX_LISTED = 8  # gone ranks listed with their last position; the others are counted
+_SURVEYOR_KEY = "diagnosis/surveyor"  # the first rank to diagnose a failure (compare_set): it surveys every rank
+_SURVEY_KEY = "diagnosis/survey"  # what it found, read by the other ranks that diagnose
 
 
 @dataclass(frozen=True)
@@ -126,11 +129,72 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
 
 
 def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis | None:
+    """The first rank to diagnose surveys every rank and publishes what it found; the others read that (one key).
+
+    Many ranks fail together when one dies (each one's collective returns an error): one survey of ``W`` positions
+    instead of ``W`` of them. A rank that finds no survey within the survey's wait (its author died) surveys itself.
+    """
     rank = control.rank
     cause = f"{type(exception).__name__}: {exception}".splitlines()[0][:200]
     if control.peer_failure is not None:  # read by the heartbeat thread, maybe before the store went away
         failed_rank, position = control.peer_failure
         return PeerDiagnosis(rank, cause, failed=(failed_rank,), positions={failed_rank: position}, seen_at=time.time())
+    try:
+        store = control.store
+        first_to_ask = store.compare_set(_SURVEYOR_KEY, "", str(rank)).decode() == str(rank)
+        if not first_to_ask:
+            if control.position.kind != "failed" and control.heartbeat_interval > 0:
+                control.note_failure(exception)  # peers waiting for this rank stop now (as the survey would do)
+            survey = _await_survey(control)
+            if survey is not None:
+                return _adopt(survey, rank, cause)
+        diagnosis = _survey(control, exception, cause)
+        if first_to_ask:
+            store.set(_SURVEY_KEY, _survey_to_json(diagnosis))
+        return diagnosis
+    except Exception as err:  # the store is gone with the process that hosts it
+        return PeerDiagnosis(rank, cause, store_error=str(err))
+
+
+def _survey_to_json(diagnosis: PeerDiagnosis | None) -> str:
+    if diagnosis is None:
+        return json.dumps({"failed": [], "gone": [], "positions": {}, "seen_at": 0.0})
+    listed = (diagnosis.failed + diagnosis.gone)[: _MAX_LISTED + 1]
+    positions = {str(r): (p.to_json() if (p := diagnosis.positions.get(r)) is not None else None) for r in listed}
+    data = {"failed": list(diagnosis.failed), "gone": list(diagnosis.gone), "positions": positions}
+    return json.dumps({**data, "seen_at": diagnosis.seen_at, "by": diagnosis.rank})
+
+
+def _await_survey(control: ControlPlane) -> dict[str, object] | None:
+    """The survey another rank publishes, or ``None`` when none comes within the survey's own wait and 2 s."""
+    deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval) + 2.0
+    pause = 0.05 * max(1.0, control.world_size / 64)  # every waiting rank looks: keep the total flat
+    while time.monotonic() < deadline:
+        if control.store.check([_SURVEY_KEY]):
+            return dict(json.loads(control.store.get(_SURVEY_KEY)))
+        time.sleep(pause)
+    return None
+
+
+def _adopt(survey: dict[str, object], rank: int, cause: str) -> PeerDiagnosis | None:
+    """This rank's diagnosis from another rank's survey (itself left out: it is alive and knows its own error)."""
+    by = int(survey.get("by", -1))  # type: ignore[call-overload]
+    failed = tuple(r for r in survey["failed"] if r != rank)  # type: ignore[attr-defined]
+    gone = tuple(r for r in survey["gone"] if r != rank)  # type: ignore[attr-defined]
+    raw = dict(survey["positions"])  # type: ignore[call-overload]
+    positions = {int(r): (Position.from_json(p) if p is not None else None) for r, p in raw.items()}
+    if not failed and not gone:
+        return None
+    seen_at = float(survey["seen_at"])  # type: ignore[arg-type]
+    if failed:
+        return PeerDiagnosis(rank, cause, failed=failed, positions=positions, seen_at=seen_at)
+    log.debug("ddp_strategy: rank %d takes rank %d's survey of its peers", rank, by)
+    return PeerDiagnosis(rank, cause, gone=gone, positions=positions, seen_at=seen_at)
+
+
+def _survey(control: ControlPlane, exception: BaseException, cause: str) -> PeerDiagnosis | None:
+    """Read every rank's position; wait for the heartbeats of the ranks that published one, at most the bound."""
+    rank = control.rank
     try:
         first = control.read_positions()
         seen_at = time.time()
@@ -145,7 +209,7 @@ def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis 
             deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval)
             while pending and time.monotonic() < deadline:
                 time.sleep(min(0.1, control.heartbeat_interval / 2))
-                latest = control.read_positions()
+                latest = {**latest, **control.read_positions_of(sorted(pending))}  # only the ranks not yet seen
                 seen_at = time.time()
                 pending = {r for r in pending if not _moved(first[r], latest[r])}
         else:  # no heartbeats to watch: only ranks that never published a position are known to be gone

@@ -447,6 +447,21 @@ class Rank:
     result: Any = None
 
 
+@contextlib.contextmanager
+def native_stderr_muted() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: torch's client prints a warning whenever the reverse lookup fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 class ClientPool:
     """Client connections opened in parallel once per W and reused by every state.
 
@@ -462,7 +477,7 @@ class ClientPool:
         self.width = self.PER_RANK + spares
         count = self.width * world + 1
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=min(256, count)) as pool:
+        with native_stderr_muted(), ThreadPoolExecutor(max_workers=min(256, count)) as pool:
             clients = list(pool.map(lambda _: new_client(), range(count)))
         self.observer = clients.pop()
         self.clients = clients

@@ -8,9 +8,10 @@ the *control plane* built here:
 * the rendezvous store (the ``TCPStore`` that ``init_process_group`` already created), used for monitored
   barriers and for each rank's published :class:`~ddp_strategy.positions.Position`.
 
-A monitored barrier never hangs: each rank writes an arrival key and waits for all others' keys at most
-``timeout``. When some never arrive, every rank that did raises :class:`~ddp_strategy.errors.CollectiveMismatchError`
-naming the barrier, the missing ranks, and where each missing rank last was.
+A monitored barrier never hangs: each rank records its arrival and waits for the barrier's decision at most
+``timeout`` (the protocol, O(1) store operations per rank: :mod:`ddp_strategy.store_barrier`). When some never
+arrive, every rank that did raises :class:`~ddp_strategy.errors.CollectiveMismatchError` naming the barrier, the
+missing ranks, and where each missing rank last was.
 """
 
 from __future__ import annotations

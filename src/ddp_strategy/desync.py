@@ -7,14 +7,14 @@ and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. The strat
 
 1. **Watch, cheaply.** Each beat reads the recorder's per-group counters (tens of microseconds, no stacks) and
    the training thread's control-plane barrier. A rank whose training thread waits, unchanged, in a collective
-   or a barrier for :data:`STUCK_AFTER` seconds is *stuck*; it publishes that with its position. A stuck rank
-   reads the others' positions: when every rank is stuck, and not all in the same collective, no rank can ever go
-   on. A rank merely slow (rank 0 writing a large checkpoint while the others wait in the next collective) is
+   or a barrier for :data:`STUCK_AFTER` seconds is *stuck*; it publishes that with its position and counts itself
+   in one store counter. When the counter reaches the world size every rank is stuck: unless all wait in the same
+   collective (the verdict tells), no rank can ever go on. A rank merely slow (rank 0 writing a large checkpoint while the others wait in the next collective) is
    not stuck, so nothing happens: that stays the hang timeout's business.
 2. **Inquire, once.** The rank opens an *inquiry* in the rendezvous store; every rank publishes a
    :class:`RankReport` (its last collectives with their op, shapes, dtypes and innermost user frame, what it
-   waits in, its epoch and batch), waits for all reports, and computes the verdict with :func:`find_divergence`
-   from the same reports: every rank reaches the same :class:`~ddp_strategy.errors.CollectiveMismatchError`
+   waits in, its epoch and batch); the rank whose report completes the count reads them all (batched), computes
+   the verdict with :func:`find_divergence` and publishes it once: every rank reaches the same :class:`~ddp_strategy.errors.CollectiveMismatchError`
    (or :class:`~ddp_strategy.errors.UnevenInputsError`). The first collective whose calls differ between ranks is
    named even when the backend paired the calls (gloo pairs calls by order), then where each rank waits now.
 

@@ -9,14 +9,16 @@ and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. The strat
    the training thread's control-plane barrier. A rank whose training thread waits, unchanged, in a collective
    or a barrier for :data:`STUCK_AFTER` seconds is *stuck*; it publishes that with its position and counts itself
    in one store counter. When the counter reaches the world size every rank is stuck: unless all wait in the same
-   collective (the verdict tells), no rank can ever go on. A rank merely slow (rank 0 writing a large checkpoint while the others wait in the next collective) is
-   not stuck, so nothing happens: that stays the hang timeout's business.
+   collective (the verdict tells), no rank can ever go on. A rank merely slow (rank 0 writing a large checkpoint
+   while the others wait in the next collective) is not stuck, so nothing happens: that stays the hang timeout's
+   business.
 2. **Inquire, once.** The rank opens an *inquiry* in the rendezvous store; every rank publishes a
    :class:`RankReport` (its last collectives with their op, shapes, dtypes and innermost user frame, what it
    waits in, its epoch and batch); the rank whose report completes the count reads them all (batched), computes
-   the verdict with :func:`find_divergence` and publishes it once: every rank reaches the same :class:`~ddp_strategy.errors.CollectiveMismatchError`
-   (or :class:`~ddp_strategy.errors.UnevenInputsError`). The first collective whose calls differ between ranks is
-   named even when the backend paired the calls (gloo pairs calls by order), then where each rank waits now.
+   the verdict with :func:`find_divergence` and publishes it once: every rank reaches the same
+   :class:`~ddp_strategy.errors.CollectiveMismatchError` (or :class:`~ddp_strategy.errors.UnevenInputsError`).
+   The first collective whose calls differ between ranks is named even when the backend paired the calls (gloo
+   pairs calls by order), then where each rank waits now.
 
 A rank whose training thread waits in a control-plane barrier raises the error there. A rank blocked inside a
 backend collective cannot be interrupted from Python; the lowest such rank prints the error and exits

@@ -105,23 +105,18 @@ def interrupted_vs_uninterrupted(
     return max_abs_diff(full, resumed)
 
 
-@pytest.mark.parametrize(
-    ("devices", "workers"),
-    [
-        pytest.param(2, [], marks=pytest.mark.compat),
-        (2, ["--num-workers", "2", "--persistent-workers"]),
-        (3, []),
-        (3, ["--num-workers", "2"]),
-        (3, ["--num-workers", "2", "--persistent-workers"]),
-    ],
-    ids=[
-        "2ranks-0workers",
-        "2ranks-2persistent-workers",
-        "3ranks-0workers",
-        "3ranks-2workers",
-        "3ranks-2persistent-workers",
-    ],
-)
+#: (ranks, DataLoader options) of the bit-exact resume tests; the epoch-end and mid-epoch tests of one case share
+#: the straight run they compare with
+RESUME_CASES = [
+    pytest.param(2, [], marks=pytest.mark.compat, id="2ranks-0workers"),
+    pytest.param(2, ["--num-workers", "2", "--persistent-workers"], id="2ranks-2persistent-workers"),
+    pytest.param(3, [], id="3ranks-0workers"),
+    pytest.param(3, ["--num-workers", "2"], id="3ranks-2workers"),
+    pytest.param(3, ["--num-workers", "2", "--persistent-workers"], id="3ranks-2persistent-workers"),
+]
+
+
+@pytest.mark.parametrize(("devices", "workers"), RESUME_CASES)
 def test_resume_at_epoch_boundary_is_bit_exact(tmp_path, devices, workers):
     # the model has dropout and the loader shuffles: both depend on the restored per-rank RNG and sampler epoch
     runs: list[Any] = []
@@ -216,25 +211,7 @@ def test_save_after_a_spawn_run_says_why_it_has_no_rng_states(tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    ("devices", "workers"),
-    [
-        pytest.param(2, [], marks=pytest.mark.compat),
-        (2, ["--num-workers", "2", "--persistent-workers"]),
-        (3, []),
-        (3, ["--num-workers", "2"]),
-        (3, ["--num-workers", "2", "--persistent-workers"]),
-        (4, []),
-    ],
-    ids=[
-        "2ranks-0workers",
-        "2ranks-2persistent-workers",
-        "3ranks-0workers",
-        "3ranks-2workers",
-        "3ranks-2persistent-workers",
-        "4ranks-0workers",
-    ],  # same straight runs as above
-)
+@pytest.mark.parametrize(("devices", "workers"), [*RESUME_CASES, pytest.param(4, [], id="4ranks-0workers")])
 def test_resume_mid_epoch_from_step_checkpoint_is_bit_exact(tmp_path, devices, workers):
     # the resumed epoch skips the batches already trained on, and the RNG continues from the saved step; from 3
     # ranks on, the first resumed step must also reduce with the saved run's gradient buckets (4 ranks, 0 workers

@@ -143,10 +143,10 @@ def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis 
         store = control.store
         first_to_ask = store.compare_set(_SURVEYOR_KEY, "", str(rank)).decode() == str(rank)
         if not first_to_ask:
-            if control.position.kind != "failed" and control.heartbeat_interval > 0:
-                control.note_failure(exception)  # peers waiting for this rank stop now (as the survey would do)
             survey = _await_survey(control)
             if survey is not None:
+                if control.position.kind != "failed" and control.heartbeat_interval > 0:
+                    control.note_failure(exception)  # peers waiting for this rank stop now, as after a survey
                 return _adopt(survey, rank, cause)
         diagnosis = _survey(control, exception, cause)
         if first_to_ask:

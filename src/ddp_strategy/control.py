@@ -326,7 +326,9 @@ class ControlPlane:
         # How often a waiting barrier looks for failed peers; a heartbeat older than 3 intervals is stale.
         self._poll_interval = self._heartbeat_interval if heartbeat_interval > 0 else 1.0
         self._heartbeat: threading.Thread | None = None
-        self._waiter_store: Store | None = None  # a barrier's blocking wait, on a connection of its own
+        # a barrier's blocking wait, on a connection of its own: opened now, so that no wait (an error's included)
+        # pays for a new connection (a TCP connect, and a name lookup that can take seconds on some hosts)
+        self._waiter_store: Store | None = store_factory() if store_factory is not None and world_size > 1 else None
         # keys deleted at a graceful close: this rank's own, and (by rank 0) those every rank shares
         self._own_keys: set[str] = {_POSITION_KEY.format(rank=rank)}
         self._shared_keys: set[str] = {PUBLISHED_KEY, _FAILED_KEY, _FAILURES_KEY, _SEEN_KEY}
@@ -416,13 +418,19 @@ class ControlPlane:
         base = default_store()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         call = base.add(f"ddp_strategy/outside-run/calls/{rank}", 1)
+        prefix = f"ddp_strategy/outside-run/{call}/"
+
+        def connect() -> Store:  # the barrier's blocking wait needs a connection of its own
+            return cast(Store, dist.PrefixStore(prefix, new_store_connection(base)))  # type: ignore[attr-defined]
+
         gate = cls(
             rank=rank,
             world_size=world_size,
-            store=cast(Store, dist.PrefixStore(f"ddp_strategy/outside-run/{call}/", base)),  # type: ignore[attr-defined]
+            store=cast(Store, dist.PrefixStore(prefix, base)),  # type: ignore[attr-defined]
             group=None,
             timeout=timeout,
             heartbeat_interval=0,
+            store_factory=connect,
         )
         gate.barrier(name, site=site)
         return cls.create(timeout=timeout, heartbeat_interval=0)

@@ -1,12 +1,12 @@
 """The control plane's traffic to the rendezvous store at scale: store operations per rank and per second, by state.
 
-    python bench/control_plane_scale.py --label before                  # W = 8, 64, 256 (about 10 minutes)
-    python bench/control_plane_scale.py --worlds 8,64,256,512 --label after
-    python bench/control_plane_scale.py --quick                         # W = 8, 32, short windows (CI smoke)
+    python bench/control_plane_scale.py --label before --src-commit c03552a   # W = 8, 64, 256 (~6 minutes)
+    python bench/control_plane_scale.py --worlds 8,32,64,128,256,512 --label after
+    python bench/control_plane_scale.py --quick --out /tmp/cps               # W = 8, 32, short windows (CI smoke)
 
 Issue 32 asks that every control-plane path make O(1) store operations per rank, per second and per event,
 whatever the world size W. This measures it with the package's real code (``ControlPlane``, ``DesyncMonitor``,
-``PreemptionAgreement``) and a real ``torch.distributed.TCPStore``:
+``PreemptionAgreement``; of the working tree, or of ``--src-commit``) and a real ``torch.distributed.TCPStore``:
 
 * **One real store server.** A child process hosts ``TCPStore(is_master=True, use_libuv=True)``, as rank 0's
   process does. Its CPU time (utime + stime from ``/proc/<pid>/stat``) is read at both ends of every measured
@@ -29,21 +29,24 @@ whatever the world size W. This measures it with the package's real code (``Cont
 States (each in a fresh namespace; keys left = ``num_keys()`` after the state minus before it):
 
 ``steady``: training threads call ``note_step`` every 10 ms; the background traffic (heartbeats, desync beats,
-audits). ``barrier-late``: every rank but 0 waits in ``barrier("save")``; rank 0 enters after ``--late-seconds``
+audits) over 6 s. ``barrier-late``: every rank but 0 waits in ``barrier("save")``; rank 0 enters 5 s later
 (writing a checkpoint); traffic during the wait, and latency from rank 0's entry to the last rank's return.
-``long-wait``: every rank waits in the same backend collective for ``--wait-seconds``; traffic, inquiries opened,
-verdict. ``desync``: rank 0 waits in ``barrier("only_rank0")``, the others in an all_reduce; time to
-``desync_error`` on every rank. ``failed-peer``: every rank but W-1 waits in ``barrier("save")``, rank W-1
-publishes a failure after 1 s; time to the ``reason="failed"`` error on every waiting rank. ``preemption``: step
-loop in lockstep (a ``threading.Barrier`` stands in for DDP's all-reduce) with ``PreemptionAgreement.
-at_step_boundary`` every ~20 ms; rank 1 receives SIGTERM at 1 s; traffic and time until every rank stopped.
+``long-wait``: every rank waits in the same backend collective for 10 s; traffic, inquiries opened, verdict.
+``desync``: rank 0 waits in ``barrier("only_rank0")``, the others in an all_reduce; time to ``desync_error`` on
+every rank. ``failed-peer``: every rank but W-1 waits in ``barrier("save")``, rank W-1 publishes a failure after
+1.5 s; time to the ``reason="failed"`` error on every waiting rank. ``preemption``: step loop in lockstep (a
+``threading.Barrier`` stands in for DDP's all-reduce) with ``PreemptionAgreement.at_step_boundary`` every ~20 ms;
+rank 1 receives SIGTERM at 1.5 s; traffic from then on and time until every rank stopped. (1.5 s rather than 1 s:
+the barrier looks at missing ranks, and the agreement polls, every 1 s from the start, so an event at 1 s would
+be seen at once by the phase of the clocks.) A state that overruns ``--budget`` is reported "timed out".
 
-Counts are stable from run to run where times are not: the threads share one process (and its GIL) and 2 cores
-with the server, so at large W the simulated ranks cannot keep up with what real ranks would ask (the client CPU
-column shows it), and the server busy fraction is a lower bound there. Above the largest measured W the rows are
-**extrapolated**: per state, a least-squares line per-rank ops/s = a + b*W over the measured W, times W, times the
-server CPU per operation measured at the largest W (and the same with keys touched). Results:
-``bench/results/control_plane_scale_<label>.{json,md}``.
+Counts are stable from run to run where times are not. The threads share one process (and its GIL) and 2 cores
+with the server, so at large W the simulated ranks cannot keep up with what real ranks would ask: the *beat lag*
+column (the heartbeat threads' actual / designed beat period) shows it; there, rates are what this machine could
+issue and latencies include the simulation's own delay. Above the largest measured W the rows are
+**extrapolated**: per state, a least-squares line per-rank ops/s = a + b*W over the measured W that kept up (see
+:func:`extrapolate`), times W, times the server CPU per operation measured at the largest W (and the same with
+keys touched). Results: ``bench/results/control_plane_scale_<label>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -300,6 +303,43 @@ class Tally:
     keys: list[int]
     nbytes: list[int]
     calls: Counter[str]
+    background_ops: int  # operations on the ranks' connections other than their training threads'
+    beats: int
+    beat_actual: float
+    beat_designed: float
+
+
+class BeatClock:
+    """A beat hook (``ControlPlane.add_beat``) timing the heartbeat thread's beats against their designed period.
+
+    The heartbeat waits 0.2 s while ``fast_beat`` is set, else ``heartbeat_interval``, then runs the beat hooks.
+    When the simulation cannot keep up (every rank in one process), the beats come later than designed: the ratio
+    ``actual / designed`` over a window is the *beat lag* (1.0: on time). :meth:`clocks` counts the interval still
+    open (a beat that is late, or still running, counts up to now), so a rank whose beat never comes shows.
+    """
+
+    FAST = 0.2  # ControlPlane's fast beat
+
+    def __init__(self, control: Any) -> None:
+        self.control = control
+        self.beats = 0
+        self.actual = 0.0
+        self.designed = 0.0
+        self._last = time.monotonic()  # the heartbeat thread started with the control plane
+        self._next = float(control.heartbeat_interval)
+
+    def __call__(self, store: Any) -> None:
+        now = time.monotonic()
+        self.actual += now - self._last
+        self.designed += self._next
+        self._last = now
+        self.beats += 1
+        self._next = self.FAST if getattr(self.control, "fast_beat", False) else float(self.control.heartbeat_interval)
+
+    def clocks(self, now: float) -> tuple[float, float]:
+        """``(actual, designed)`` seconds of beats up to ``now``, the open interval included."""
+        last, wanted = self._last, self._next
+        return self.actual + (now - last), self.designed + min(wanted, now - last)
 
 
 # ---------------------------------------------------------------------------------------------- fake recorder
@@ -440,6 +480,7 @@ class Rank:
     stores: list[CountingStore]
     control: Any  # ddp_strategy.control.ControlPlane
     monitor: Any  # ddp_strategy.desync.DesyncMonitor
+    clock: BeatClock
     recorder: FakeRecorder
     done: float | None = None  # when its training thread's task ended (time.monotonic)
     error: BaseException | None = None
@@ -538,7 +579,9 @@ class Sim:
         )
         desync = package.desync
         monitor = desync.DesyncMonitor(control, desync.CallNotes(), ledger=desync.CallLedger())
-        return Rank(rank, stores, control, monitor, recorder)
+        clock = BeatClock(control)
+        control.add_beat(clock)  # after the monitor's beat
+        return Rank(rank, stores, control, monitor, clock, recorder)
 
     # -------------------------------------------------------------------------------------- threads
     def start(self, task: Callable[[Rank], Any]) -> None:
@@ -575,15 +618,50 @@ class Sim:
     def tally(self) -> Tally:
         """The counts and clocks now."""
         ops, keys, nbytes, calls = [], [], [], Counter[str]()
+        background = 0
         for sim_rank in self.ranks:
             stores = list(sim_rank.stores)
             ops.append(sum(s.ops for s in stores))
             keys.append(sum(s.keys for s in stores))
             nbytes.append(sum(s.nbytes for s in stores))
+            background += ops[-1] - stores[0].ops
             for store in stores:
                 calls.update(store.calls)
+        now = time.monotonic()
+        clocks = [r.clock.clocks(now) for r in self.ranks]
         times = os.times()
-        return Tally(time.monotonic(), self.server.cpu_seconds(), times.user + times.system, ops, keys, nbytes, calls)
+        return Tally(
+            wall=now,
+            server_cpu=self.server.cpu_seconds(),
+            client_cpu=times.user + times.system,
+            ops=ops,
+            keys=keys,
+            nbytes=nbytes,
+            calls=calls,
+            background_ops=background,
+            beats=sum(r.clock.beats for r in self.ranks),
+            beat_actual=sum(actual for actual, _ in clocks),
+            beat_designed=sum(designed for _, designed in clocks),
+        )
+
+    def positions(self) -> dict[str, Any]:
+        """What the ranks' published positions show now (uncounted): how many wait, how old the heartbeats are."""
+        key = str(getattr(pkg().control, "_POSITION_KEY", "pos/{rank}"))
+        now = time.time()
+        ages, waiting = [], 0
+        for rank in range(self.world):
+            full = self.prefix + key.format(rank=rank)
+            if not self.pool.observer.check([full]):
+                continue
+            position = json.loads(self.pool.observer.get(full))
+            ages.append(now - float(position.get("heartbeat") or 0.0))
+            waiting += bool(position.get("waiting"))
+        return {
+            "published": len(ages),
+            "waiting": waiting,
+            "heartbeat_age_max_s": max(ages, default=None),
+            "heartbeat_older_than_4s": sum(age > 4.0 for age in ages),
+        }
 
     def keys_left(self) -> int:
         """Keys this state added to the store (it ran in a namespace of its own)."""
@@ -618,6 +696,9 @@ def window(first: Tally, last: Tally) -> dict[str, Any]:
     nbytes = [b - a for a, b in zip(first.nbytes, last.nbytes, strict=True)]
     calls = last.calls - first.calls
     server = last.server_cpu - first.server_cpu
+    beats = last.beats - first.beats
+    designed = last.beat_designed - first.beat_designed
+    lag = (last.beat_actual - first.beat_actual) / designed if designed > 0 else None
     return {
         "seconds": wall,
         "ops": sum(ops),
@@ -633,6 +714,9 @@ def window(first: Tally, last: Tally) -> dict[str, Any]:
         "server_cpu_s": server,
         "server_busy": server / wall,
         "client_busy": (last.client_cpu - first.client_cpu) / wall,
+        "beats": beats,
+        "beat_lag": lag,
+        "background_ops_per_beat": (last.background_ops - first.background_ops) / beats if beats else None,
         "calls": dict(calls.most_common()),
     }
 
@@ -725,7 +809,8 @@ def state_long_wait(sim: Sim, timing: Timing) -> Outcome:
     sim.start(task)
     time.sleep(timing.wait)
     outcome = Outcome(window(first, sim.tally()))
-    inquiries = sim.read_counter("desync/inquiry")
+    outcome.notes["positions_at_end"] = sim.positions()
+    inquiries = sim.read_counter(str(getattr(pkg().desync, "_INQUIRY_KEY", "desync/inquiry")))
     verdicts = [r.control.desync_error for r in sim.ranks if r.control.desync_error is not None]
     verdict = "none" if not verdicts else str(verdicts[0]).splitlines()[0][:160]
     outcome.notes.update({"inquiries": inquiries, "verdict": verdict, "ranks_with_verdict": len(verdicts)})
@@ -759,12 +844,13 @@ def state_desync(sim: Sim, timing: Timing) -> Outcome:
 
     done = sim.wait_for(everyone_told, first.wall + timing.budget)
     outcome = Outcome(window(first, sim.tally()))
+    outcome.notes["positions_at_end"] = sim.positions()
     error = sim.ranks[0].error or sim.ranks[0].control.desync_error
     outcome.notes.update(
         {
             "rank0_error": _describe(error),
             "ranks_with_error": len(told_at),
-            "inquiries": sim.read_counter("desync/inquiry"),
+            "inquiries": sim.read_counter(str(getattr(pkg().desync, "_INQUIRY_KEY", "desync/inquiry"))),
         }
     )
     if not done:
@@ -946,14 +1032,28 @@ def _server_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return (cpu / ops if ops else 0.0), (cpu / keys if keys else 0.0)
 
 
+RATES = ("ops_per_rank_s", "keys_per_rank_s", "bytes_per_rank_s")
+MAX_LAG = 1.5  # rows whose beats came later than this (x designed) are left out of the fit when two others remain
+
+
+def demand(row: dict[str, Any], name: str) -> float:
+    """A measured per-rank rate scaled up by the row's beat lag: what the ranks would have asked, on time."""
+    lag = row.get("beat_lag") or 1.0
+    return float(row[name]) * max(1.0, lag)
+
+
 def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[str, Any]]:
     """Rows for larger W: per-rank rates fitted as ``a + b*W``, server busy = total rate x CPU per op at the top W.
 
-    The CPU per operation is the state's own at its largest measured W, or (when that state used less than
-    :data:`MIN_SERVER_CPU` of server CPU there) the one of every state at the largest measured W together.
+    The fit runs over the state's measured rows that ended ``ok`` and whose beat lag is at most :data:`MAX_LAG`
+    (when fewer than two are, over its two smallest W), each rate scaled by its beat lag (see :func:`demand`): where
+    the simulation fell behind, the measured rate is what this machine could issue, not what the ranks asked; the
+    result is then a lower bound. A fitted rate never goes below the smallest one fitted. The CPU per operation is
+    the state's own at its largest measured W, or (when that state used less than :data:`MIN_SERVER_CPU` of server
+    CPU there) the one of every state at the largest measured W together.
     """
     out = []
-    ok = [r for r in rows if r["kind"] == "measured" and "ops" in r]
+    ok = [r for r in rows if r["kind"] == "measured" and "ops" in r and r["status"] == "ok"]
     largest = max((r["world"] for r in ok), default=0)
     pooled = _server_cost([r for r in ok if r["world"] == largest])
     for state in STATES:
@@ -963,14 +1063,13 @@ def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[
         top = max(measured, key=lambda r: r["world"])
         own = top["server_cpu_s"] >= MIN_SERVER_CPU
         per_op, per_key = _server_cost([top]) if own else pooled
-        fits = {
-            name: _fit([(r["world"], r[name]) for r in measured])
-            for name in ("ops_per_rank_s", "keys_per_rank_s", "bytes_per_rank_s")
-        }
-        for world in worlds:
-            if world <= top["world"]:
-                continue
-            rates = {name: max(0.0, a + b * world) for name, (a, b) in fits.items()}
+        kept_up = [r for r in measured if (r.get("beat_lag") or 1.0) <= MAX_LAG]
+        basis = kept_up if len(kept_up) >= 2 else sorted(measured, key=lambda r: r["world"])[:2]
+        fits = {name: _fit([(r["world"], demand(r, name)) for r in basis]) for name in RATES}
+        floors = {name: min(demand(r, name) for r in basis) for name in RATES}
+        worlds_above = [w for w in worlds if w > max(r["world"] for r in rows if r["state"] == state)]
+        for world in worlds_above:
+            rates = {name: max(floors[name], a + b * world) for name, (a, b) in fits.items()}
             out.append(
                 {
                     "state": state,
@@ -987,7 +1086,8 @@ def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[
                     "server_cpu_per_op_us": per_op * 1e6,
                     "server_cpu_per_key_us": per_key * 1e6,
                     "server_cost_from": f"{state} at W={top['world']}" if own else f"every state at W={largest}",
-                    "from_worlds": [r["world"] for r in measured],
+                    "from_worlds": [r["world"] for r in basis],
+                    "from_rows_that_kept_up": len(kept_up) >= 2,
                 }
             )
     return out
@@ -1014,14 +1114,14 @@ def markdown(result: dict[str, Any]) -> str:
     """The results table."""
     head = (
         "| label | state | W | kind | ops/s per rank (mean / max) | ops/s total | keys/s per rank | keys/s total | "
-        "B/s per rank | B/s total | server busy | client CPU | latency / outcome | keys left |"
+        "B/s per rank | B/s total | server busy | client CPU | beat lag | bg ops/beat | latency / outcome | keys left |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 16]
     for row in result["rows"]:
         measured = row["kind"] == "measured"
         if "ops" not in row and measured:
             lines.append(
-                f"| {result['label']} | {row['state']} | {row['world']} | measured | {row['status']} |" + " |" * 9
+                f"| {result['label']} | {row['state']} | {row['world']} | measured | {row['status']} |" + " |" * 11
             )
             continue
         per_rank = _num(row["ops_per_rank_s"], 2)
@@ -1043,6 +1143,8 @@ def markdown(result: dict[str, Any]) -> str:
             _num(row["bytes_per_s"]),
             _busy(row),
             f"{row['client_busy']:.2f}" if measured else "-",
+            _num(row.get("beat_lag"), 2) if measured else "-",
+            _num(row.get("background_ops_per_beat"), 1) if measured else "-",
             outcome if measured else "-",
             str(row["keys_left"]) if measured else "-",
         ]
@@ -1065,10 +1167,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"{env['cores']} cores, load average {result['loadavg_start'][0]:.1f} at the start and "
         f"{result['loadavg_end'][0]:.1f} at the end; torch {env['torch']}, ddp_strategy {env['ddp_strategy']} "
         f"at commit {source['commit'][:10]}{' (with uncommitted changes)' if source['dirty'] else ''}.",
-        "Server busy = server CPU s / wall s (1.00 = its one loop thread saturated); client CPU = this process's CPU "
-        "s / wall s (2 cores: near 1-2, the simulated ranks could not keep up). Bytes: keys and values only. "
-        "Extrapolated rows: per-rank rates fitted as a + b*W over the measured W, server busy = total ops/s x the "
-        "server CPU per operation at the largest measured W (in brackets: x the CPU per key touched).",
+        "Server busy = server CPU s / wall s (1.00: its one loop thread saturated); client CPU = CPU s / wall s of "
+        "the process running every simulated rank. Beat lag = the heartbeat threads' actual / designed beat period "
+        "(1.00: on time; well above: the simulation fell behind, so its rates are what this machine could issue, "
+        "and its latencies include the simulation's own delay). Bg ops/beat = store operations of the background "
+        "threads per beat and rank (a count: stable where times are not). Bytes: keys and values only. "
+        f"Extrapolated rows: per-rank rates x beat lag, fitted as a + b*W over the state's measured W that ended "
+        f"ok with a beat lag <= {MAX_LAG:g} (else over its two smallest W: a lower bound); server busy = total "
+        "ops/s x the server CPU per operation at the state's largest measured W (in brackets: x the CPU per key "
+        "touched); above 1.00 one server core cannot serve it.",
     ]
     return "\n".join(lines) + "\n"
 

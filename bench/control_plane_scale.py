@@ -717,6 +717,7 @@ def window(first: Tally, last: Tally) -> dict[str, Any]:
         "beats": beats,
         "beat_lag": lag,
         "background_ops_per_beat": (last.background_ops - first.background_ops) / beats if beats else None,
+        "background_ops_per_rank_s": (last.background_ops - first.background_ops) / world / wall,
         "calls": dict(calls.most_common()),
     }
 
@@ -1042,13 +1043,28 @@ def demand(row: dict[str, Any], name: str) -> float:
     return float(row[name]) * max(1.0, lag)
 
 
+BACKGROUND = "background_ops_per_rank_s"
+
+
+def interval_at(world: int) -> float:
+    """The measured package's heartbeat (and background poll) interval at ``world`` ranks, per configured second.
+
+    The package grows its background polls' intervals beyond some number of ranks (``control.scaled_interval``);
+    a package without that function polls at the configured pace at any W.
+    """
+    scaled = getattr(pkg().control, "scaled_interval", None)
+    return float(scaled(1.0, world)) if scaled is not None else 1.0
+
+
 def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[str, Any]]:
     """Rows for larger W: per-rank rates fitted as ``a + b*W``, server busy = total rate x CPU per op at the top W.
 
     The fit runs over the state's measured rows that ended ``ok`` and whose beat lag is at most :data:`MAX_LAG`
     (when fewer than two are, over its two smallest W), each rate scaled by its beat lag (see :func:`demand`): where
     the simulation fell behind, the measured rate is what this machine could issue, not what the ranks asked; the
-    result is then a lower bound. A fitted rate never goes below the smallest one fitted. The CPU per operation is
+    result is then a lower bound. A fitted rate never goes below the smallest one fitted. The part of it made by the
+    background threads (heartbeat, beat hooks, blocking waits: fitted apart) is then scaled by the package's own
+    interval at W (:func:`interval_at`): its polls come once per interval. The CPU per operation is
     the state's own at its largest measured W, or (when that state used less than :data:`MIN_SERVER_CPU` of server
     CPU there) the one of every state at the largest measured W together.
     """
@@ -1067,9 +1083,18 @@ def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[
         basis = kept_up if len(kept_up) >= 2 else sorted(measured, key=lambda r: r["world"])[:2]
         fits = {name: _fit([(r["world"], demand(r, name)) for r in basis]) for name in RATES}
         floors = {name: min(demand(r, name) for r in basis) for name in RATES}
-        worlds_above = [w for w in worlds if w > max(r["world"] for r in rows if r["state"] == state)]
+        polls = [(r["world"], demand(r, BACKGROUND)) for r in basis if BACKGROUND in r]
+        background = _fit(polls) if polls else (0.0, 0.0)
+        top_world = max(r["world"] for r in rows if r["state"] == state)
+        worlds_above = [w for w in worlds if w > top_world]
         for world in worlds_above:
             rates = {name: max(floors[name], a + b * world) for name, (a, b) in fits.items()}
+            # the background threads' polls come once per (scaled) interval: at W their rate is the fitted one
+            # times the interval at the top measured W over the interval the package uses at W
+            slower = interval_at(top_world) / interval_at(world)
+            polled = min(rates["ops_per_rank_s"], max(0.0, background[0] + background[1] * world))
+            kept = (rates["ops_per_rank_s"] - polled * (1.0 - slower)) / rates["ops_per_rank_s"] if polled else 1.0
+            rates = {name: value * kept for name, value in rates.items()}
             out.append(
                 {
                     "state": state,
@@ -1083,6 +1108,8 @@ def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[
                     "server_busy": rates["ops_per_rank_s"] * world * per_op,
                     "server_busy_by_keys": rates["keys_per_rank_s"] * world * per_key,
                     "fit": {name: {"a": a, "b": b} for name, (a, b) in fits.items()},
+                    "background_fit": {"a": background[0], "b": background[1]},
+                    "poll_interval_factor": 1.0 / slower,
                     "server_cpu_per_op_us": per_op * 1e6,
                     "server_cpu_per_key_us": per_key * 1e6,
                     "server_cost_from": f"{state} at W={top['world']}" if own else f"every state at W={largest}",
@@ -1173,7 +1200,9 @@ def markdown(result: dict[str, Any]) -> str:
         "and its latencies include the simulation's own delay). Bg ops/beat = store operations of the background "
         "threads per beat and rank (a count: stable where times are not). Bytes: keys and values only. "
         f"Extrapolated rows: per-rank rates x beat lag, fitted as a + b*W over the state's measured W that ended "
-        f"ok with a beat lag <= {MAX_LAG:g} (else over its two smallest W: a lower bound); server busy = total "
+        f"ok with a beat lag <= {MAX_LAG:g} (else over its two smallest W: a lower bound), the background threads' "
+        "part (fitted apart) times the package's own poll interval at the top measured W / at W "
+        "(`control.scaled_interval`: x1 up to 512 ranks, x1/8 at 4096); server busy = total "
         "ops/s x the server CPU per operation at the state's largest measured W (in brackets: x the CPU per key "
         "touched); above 1.00 one server core cannot serve it.",
     ]
@@ -1204,7 +1233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extrapolate", default=",".join(map(str, EXTRAPOLATE)), help="W to extrapolate to")
     parser.add_argument("--trace-entries", type=int, default=16, help="fake Flight Recorder entries per rank")
     parser.add_argument("--budget", type=float, default=90.0, help="seconds a state may overrun before it is cut")
-    parser.add_argument("--spares", type=int, default=1, help="connections per rank kept for store_factory")
+    parser.add_argument("--spares", type=int, default=2, help="connections per rank kept for store_factory")
     parser.add_argument(
         "--src-commit",
         metavar="REV",

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from .peers import PeerDiagnosis
 
 __all__ = [
+    "FAST_BEAT",
     "RANKS_PER_INTERVAL",
     "ControlPlane",
     "RankFailure",
@@ -68,6 +69,8 @@ R = TypeVar("R")
 _POSITION_KEY = POSITION_KEY
 #: Up to this many ranks, heartbeats come every ``heartbeat_interval``; beyond, the interval grows in proportion.
 RANKS_PER_INTERVAL = 512
+#: The beat interval while a desync inquiry may come (:attr:`ControlPlane.fast_beat`), scaled like the heartbeat.
+FAST_BEAT = 0.2
 _FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' heartbeat threads look for it
 _FAILURES_KEY = "failure/count"  # how many ranks published a failure
 _SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
@@ -346,8 +349,10 @@ class ControlPlane:
         self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
         self._ledger: tuple[int, int] = (0, 0)  # (calls, digest) of the strategy's collectives (see `set_ledger`)
         self._beat_hooks: list[Callable[[Store], None]] = []
-        #: beat every 0.2 s instead of every heartbeat interval (set while a desync inquiry may come)
+        #: beat every :data:`FAST_BEAT` seconds (scaled beyond RANKS_PER_INTERVAL ranks) instead of every heartbeat
+        #: interval: set while a desync inquiry may come
         self.fast_beat = False
+        self._fast_interval = scaled_interval(FAST_BEAT, world_size)
         #: the desync every rank agreed on (see :mod:`ddp_strategy.desync`); a waiting barrier raises it at once
         self.desync_error: CollectiveMismatchError | None = None
         self._publish(self._position)
@@ -496,7 +501,7 @@ class ControlPlane:
         self._ledger = (calls, digest)
 
     def add_beat(self, hook: Callable[[Store], None]) -> None:
-        """Run ``hook(store)`` at every beat (each heartbeat interval, 0.2 s with :attr:`fast_beat`).
+        """Run ``hook(store)`` at every beat (each heartbeat interval, :data:`FAST_BEAT` s with :attr:`fast_beat`).
 
         The hooks run on a thread of their own (``ddp_strategy-heartbeat-rank<r>``, started with the first hook),
         apart from the thread that publishes the heartbeat: a slow hook never delays the heartbeat. ``store`` is the
@@ -549,7 +554,7 @@ class ControlPlane:
         except Exception as err:  # the store is gone before the first beat
             log.debug("ddp_strategy: rank %d: no connection for the beat hooks: %s", self.rank, err)
             return
-        while not self._stop.wait(0.2 if self.fast_beat else self._heartbeat_interval):
+        while not self._stop.wait(self._fast_interval if self.fast_beat else self._heartbeat_interval):
             if self._peer_failure is not None and self._peer_failure[0] == 0:
                 return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
             waiting = self._waiting

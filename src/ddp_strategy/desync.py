@@ -773,6 +773,7 @@ class DesyncMonitor:
         self.audit = CallAudit()
         self.audit_interval = audit_interval
         self._next_audit = time.monotonic() + audit_interval
+        self._next_look = 0.0  # the next look at the next rank's ledger and audit (once per heartbeat interval)
         self._audited_status: dict[str, tuple[int, int]] = {}
         self._audit_inquired: set[tuple[str, int]] = set()
         self._audit_lock = threading.Lock()
@@ -824,6 +825,10 @@ class DesyncMonitor:
             self._inquired.add(what)  # every rank waits: whether they wait for each other, the reports tell
             self._answer(store, _open(store, inquiry))
             return
+        now = time.monotonic()
+        if now < self._next_look:  # a fast beat watches for inquiries only: the looks at a peer keep their pace
+            return
+        self._next_look = now + control.heartbeat_interval
         if not self._ledger_inquired and self._ledger_differs(store):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, _open(store, inquiry))
@@ -912,7 +917,8 @@ class DesyncMonitor:
             if inquiry <= self._answered:
                 return self.control.desync_error
             world, rank = self.control.world_size, self.control.rank
-            mine = self.report().to_json()
+            report = self.report()
+            mine = report.to_json()
             deadline = time.monotonic() + _REPORT_WAIT
             own_failure = int(self.control.position.kind == "failed")
             while True:
@@ -929,7 +935,10 @@ class DesyncMonitor:
                     store.compare_set(key, "", _INCOMPLETE)  # a rank that failed or went silent never reports
                     break
                 time.sleep(_poll_pause(world))
-            error = _verdict_from_json(store.get(key).decode())
+            text = store.get(key).decode()
+            error = _verdict_from_json(text)
+            if text == _NO_VERDICT and report.waiting:
+                self._inquired.add(report.waiting)  # every rank reported: while this wait lasts, none is to be found
             read = _READ_KEY.format(inquiry=inquiry)
             if int(store.add(read, 1)) == world:  # the last rank to read the verdict deletes it
                 store.delete_key(key)

@@ -518,7 +518,7 @@ class ClientPool:
         self.width = self.PER_RANK + spares
         count = self.width * world + 1
         started = time.monotonic()
-        with native_stderr_muted(), ThreadPoolExecutor(max_workers=min(256, count)) as pool:
+        with native_stderr_muted(), ThreadPoolExecutor(max_workers=min(1024, count)) as pool:
             clients = list(pool.map(lambda _: new_client(), range(count)))
         self.observer = clients.pop()
         self.clients = clients
@@ -1228,12 +1228,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worlds", default="8,64,256", help="comma-separated world sizes (default 8,64,256)")
     parser.add_argument("--states", default=",".join(STATES), help=f"comma-separated, of {', '.join(STATES)}")
     parser.add_argument("--quick", action="store_true", help="W = 8, 32 and short windows (CI smoke)")
-    parser.add_argument("--label", default="before", help="stored in the JSON and shown in the table")
+    parser.add_argument("--label", default="current", help="stored in the JSON and shown in the table")
     parser.add_argument("--out", type=Path, help="output path without suffix (.json and .md are written)")
     parser.add_argument("--extrapolate", default=",".join(map(str, EXTRAPOLATE)), help="W to extrapolate to")
     parser.add_argument("--trace-entries", type=int, default=16, help="fake Flight Recorder entries per rank")
     parser.add_argument("--budget", type=float, default=90.0, help="seconds a state may overrun before it is cut")
     parser.add_argument("--spares", type=int, default=2, help="connections per rank kept for store_factory")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target judged on this run is missed")
     parser.add_argument(
         "--src-commit",
         metavar="REV",
@@ -1335,6 +1336,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+FLAT_WITHIN = 2.0  # per-rank store operations per second: largest / smallest over the measured W
+BUSY_AT_MOST = 0.10  # rank 0's store server at the largest extrapolated W
+BARRIER_WITHIN = 0.5  # seconds from the last arrival to the last rank's return
+ERROR_WITHIN = 15.0  # seconds from a cause to the named error on every rank
+TIMED_STATES = {"desync": ERROR_WITHIN, "failed-peer": ERROR_WITHIN, "preemption": ERROR_WITHIN}
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 32's targets, each as ``{"target", "value", "ok"}`` (``ok`` is ``None`` when it cannot be judged).
+
+    Judged on this run's rows: every state ended ``ok``; per-rank operations per second flat within
+    :data:`FLAT_WITHIN` from the smallest to the largest measured W; at the largest measured W a barrier done within
+    :data:`BARRIER_WITHIN` s of its last arrival and every named error within :data:`ERROR_WITHIN` s of its cause;
+    at the largest extrapolated W the server busy at most :data:`BUSY_AT_MOST` (judged only when at least three W
+    were measured: two points make a noisy line).
+    """
+    rows = result["rows"]
+    measured = [r for r in rows if r["kind"] == "measured"]
+    out: list[dict[str, Any]] = []
+    bad = [f"{r['state']} W={r['world']}: {r['status']}" for r in measured if r["status"] != "ok"]
+    out.append({"target": "every state ended ok", "value": "; ".join(bad) or "all ok", "ok": not bad})
+    worlds = sorted({r["world"] for r in measured})
+    top = worlds[-1] if worlds else 0
+    for state in STATES:
+        mine = sorted((r for r in measured if r["state"] == state and "ops" in r), key=lambda r: r["world"])
+        if len(mine) >= 2:
+            rates = [r["ops_per_rank_s"] for r in mine]
+            ratio = max(rates) / max(min(rates), 1e-9)
+            value = f"{ratio:.2f}x (W={mine[0]['world']}..{mine[-1]['world']}: " + ", ".join(f"{v:.1f}" for v in rates)
+            out.append(
+                {
+                    "target": f"{state}: ops/s per rank flat within {FLAT_WITHIN:g}x",
+                    "value": value + ")",
+                    "ok": ratio <= FLAT_WITHIN,
+                }
+            )
+        at_top = [r for r in mine if r["world"] == top]
+        bound = BARRIER_WITHIN if state == "barrier-late" else TIMED_STATES.get(state)
+        if bound is not None and at_top:
+            latency = at_top[0].get("latency_s")
+            out.append(
+                {
+                    "target": f"{state} at W={top}: within {bound:g} s",
+                    "value": "-" if latency is None else f"{latency:.2f} s",
+                    "ok": latency is not None and latency <= bound,
+                }
+            )
+    extrapolated = [r for r in rows if r["kind"] == "extrapolated"]
+    if extrapolated:
+        far = max(r["world"] for r in extrapolated)
+        busiest = max((r for r in extrapolated if r["world"] == far), key=lambda r: r["server_busy"])
+        judged = len(worlds) >= 3
+        out.append(
+            {
+                "target": f"server busy at W={far} (extrapolated) at most {BUSY_AT_MOST:g} in every state",
+                "value": f"{busiest['server_busy']:.3f} ({busiest['state']}, the busiest)"
+                + ("" if judged else "; not judged: fewer than 3 W measured"),
+                "ok": busiest["server_busy"] <= BUSY_AT_MOST if judged else None,
+            }
+        )
+    return out
+
+
+def targets_markdown(checked: list[dict[str, Any]]) -> str:
+    """The targets as a table."""
+    lines = ["| target | value | met |", "|---|---|---|"]
+    for t in checked:
+        met = {True: "yes", False: "**no**", None: "not judged"}[t["ok"]]
+        lines.append(f"| {t['target']} | {t['value']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
 def _pytest_running() -> bool:
     found = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True, check=False)
     return bool(found.stdout.strip())
@@ -1344,12 +1417,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     threading.stack_size(1 << 20)  # a thousand threads or more
     result = run(args)
+    result["targets"] = targets(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    text = markdown(result)
+    text = markdown(result) + "\n" + targets_markdown(result["targets"])
     args.out.with_suffix(".md").write_text(text)
     print()
     print(text)
+    missed = [t["target"] for t in result["targets"] if t["ok"] is False]
+    if args.check and missed:
+        print(f"targets missed: {'; '.join(missed)}", file=sys.stderr)
+        return 1
     return 0
 
 

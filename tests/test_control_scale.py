@@ -246,10 +246,11 @@ def test_a_desync_inquiry_costs_each_rank_the_same_few_operations_at_8_and_32_ra
         assert max(others) <= 6, others
         per_world[world_size] = max(others)
     assert per_world[32] == per_world[8]
-    # left: the inquiry counter, who holds the verdict, the failure count (all three deleted at the control plane's
+    # left: the inquiry counter, the stuck-rank counter (both made by the monitor at its start, so that a beat reads
+    # them in one multi_get), who holds the verdict, the failure count (all four deleted at the control plane's
     # close); the reports, the report count, the verdict and its read count are gone
-    assert stores[0].inner.num_keys() == 3
-    for key in ("desync/inquiry", "desync/holding", "failure/count"):
+    assert stores[0].inner.num_keys() == 4
+    for key in ("desync/inquiry", "desync/stuck", "desync/holding", "failure/count"):
         assert stores[0].inner.check([key])
 
 

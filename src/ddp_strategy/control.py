@@ -75,8 +75,9 @@ _FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' 
 _FAILURES_KEY = "failure/count"  # how many ranks published a failure
 _SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
 _UNNAMED = "<unnamed>"
-# a barrier's first look at `done` before it blocks: the common case, every rank arriving within a few ms
-_QUICK_POLLS, _QUICK_POLL = 4, 0.002
+# a barrier's first looks at `done` before it blocks: the common case, every rank arriving within a few ms; beyond
+# _QUICK_WORLD ranks the arrivals spread wider than that, and each look is W operations on the store: one look
+_QUICK_POLLS, _QUICK_POLL, _QUICK_WORLD = 4, 0.002, 64
 # how long a rank that is not the leader waits past the timeout for the leader's verdict before making its own
 _LEADER_GRACE = 5.0
 _REASONS = {"failed": "failed before arriving", "went_on": "went on without entering it"}
@@ -849,7 +850,7 @@ class ControlPlane:
         """
         key = done_key(seq)
         try:
-            for _ in range(_QUICK_POLLS):
+            for _ in range(_QUICK_POLLS if self.world_size <= _QUICK_WORLD else 1):
                 if self._store.check([key]):
                     return Outcome.from_value(self._store.get(key))
                 time.sleep(_QUICK_POLL)

@@ -786,6 +786,8 @@ class DesyncMonitor:
         self._lock = threading.Lock()
         control.forget_at_close(_AUDIT_KEY.format(rank=control.rank))
         control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, _HOLDING_KEY, _RANK0_STOPPING_KEY, shared=True)
+        for counter in (_INQUIRY_KEY, _STUCK_KEY):  # both exist from now on: a beat reads them in one round trip
+            control.store.add(counter, 0)
         control.add_beat(self.beat)
 
     # ------------------------------------------------------------------ watching
@@ -817,11 +819,11 @@ class DesyncMonitor:
         if stuck != self._counted_stuck:  # every rank counts itself in while stuck: "all stuck" is one counter
             store.add(_STUCK_KEY, 1 if stuck else -1)
             self._counted_stuck = stuck
-        inquiry = int(store.add(_INQUIRY_KEY, 0))
+        inquiry, stuck_ranks = (int(value) for value in store.multi_get([_INQUIRY_KEY, _STUCK_KEY]))
         if inquiry > self._answered:
             self._answer(store, inquiry)
             return
-        if stuck and what not in self._inquired and int(store.add(_STUCK_KEY, 0)) >= control.world_size:
+        if stuck and what not in self._inquired and stuck_ranks >= control.world_size:
             self._inquired.add(what)  # every rank waits: whether they wait for each other, the reports tell
             self._answer(store, _open(store, inquiry))
             return

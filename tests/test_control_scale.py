@@ -254,6 +254,42 @@ def test_a_desync_inquiry_costs_each_rank_the_same_few_operations_at_8_and_32_ra
         assert stores[0].inner.check([key])
 
 
+class _BeatingControl(_Control):
+    """A :class:`_Control` whose beat hooks run: what :meth:`DesyncMonitor.beat` sets and reads besides the store."""
+
+    fast_beat = False
+
+    def set_waiting(self, what: str, since: float) -> None:
+        pass
+
+    def set_ledger(self, calls: int, digest: int) -> None:
+        pass
+
+    def read_position(self, rank: int, store: Any = None) -> None:
+        return None
+
+
+def test_a_rank_stuck_in_a_wait_beats_with_one_store_operation_at_any_world_size(monkeypatch):
+    # while a rank waits (a late rank at a checkpoint barrier, a slow collective) it beats fast, to answer an
+    # inquiry within a fraction of a second: each of those beats is one multi_get of two counters, whatever W is
+    # (before issue 32: two adds and a read of the next rank's position on every beat)
+    monkeypatch.setattr(DesyncMonitor, "_current_wait", lambda self: ("collective 0#7", time.time() - 60))
+    per_beat = {}
+    for world_size in (8, 64):
+        shared = dist.HashStore()
+        stores = [CountingStore(shared) for _ in range(2)]  # the training thread's and the beat thread's
+        control = _BeatingControl(1, world_size, stores[0])
+        monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+        monitor.beat(stores[1])  # the first: counts itself stuck, looks at the next rank's ledger
+        assert control.fast_beat
+        stores[1].ops, stores[1].by_key = 0, {}
+        for _ in range(10):
+            monitor.beat(stores[1])
+        per_beat[world_size] = stores[1].ops / 10
+        assert stores[1].by_key == {"multi_get": 10}
+    assert per_beat == {8: 1.0, 64: 1.0}
+
+
 def test_ranks_that_fail_together_survey_their_peers_once(caplog):
     # rank 15 dies (its heartbeat stops); ranks 1-14 get a backend error each and diagnose at once (rank 0, the
     # store's host, runs on: when it fails, the others stop publishing, as its store is about to go): one of them

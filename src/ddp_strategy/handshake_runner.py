@@ -27,6 +27,7 @@ from .handshake import (
     train_sampler_seeds,
 )
 from .host import StrategyHost
+from .options import StrategyOptions
 from .positions import call_site
 
 __all__ = ["Handshakes"]
@@ -52,15 +53,16 @@ class Handshakes:
 
     Args:
         control: returns the strategy's control plane (``None`` outside a run: nothing is checked).
-        enabled: the strategy's ``handshake`` option.
-        uneven_inputs: the strategy's ``uneven_inputs`` option (``"raise"``, ``"warn"`` or ``None``).
+        options: the strategy's options (``handshake``, ``uneven_inputs``).
 
     """
 
-    def __init__(self, control: Callable[[], ControlPlane | None], *, enabled: bool, uneven_inputs: str | None) -> None:
+    def __init__(self, control: Callable[[], ControlPlane | None], options: StrategyOptions) -> None:
         self._control = control
-        self.enabled = enabled
-        self.uneven_inputs = uneven_inputs
+        #: Whether the handshakes run (the ``handshake`` option).
+        self.enabled = options.handshake
+        #: What uneven training batch counts lead to: ``"raise"``, ``"warn"`` or ``None`` (not compared).
+        self.uneven_inputs = options.uneven_inputs
         #: Seconds the last start-up handshake took on this rank (``None`` before the first one).
         self.last_seconds: float | None = None
         #: Whether a handshake ran in the current stage (the evaluation stages run one only then).

@@ -1,12 +1,18 @@
-"""``StrategyHost``: what the strategy's feature objects read from the strategy they serve."""
+"""How the strategy and its feature objects see each other.
+
+``StrategyHost``: what the feature objects read from the strategy they serve. ``Delegated``: a strategy attribute
+that shows one of theirs.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-__all__ = ["StrategyHost"]
+__all__ = ["Delegated", "StrategyHost"]
+
+T = TypeVar("T")
 
 
 class StrategyHost(Protocol):
@@ -54,3 +60,31 @@ class StrategyHost(Protocol):
     @property
     def precision_plugin(self) -> Any:
         """The precision plugin (its step context managers)."""
+
+
+class Delegated(Generic[T]):
+    """A read-only attribute of the strategy that shows an attribute of one of its feature objects.
+
+    In the class body, ``last_handshake_seconds = Delegated[float | None]("_handshakes", "last_seconds")`` makes
+    ``strategy.last_handshake_seconds`` read ``strategy._handshakes.last_seconds``; without ``name``, the attribute
+    of the same name (``barrier_timeout = Delegated[timedelta]("options")``).
+
+    Args:
+        holder: the strategy's attribute holding the feature object.
+        name: the feature object's attribute shown (default: the name this attribute is given).
+
+    """
+
+    def __init__(self, holder: str, name: str | None = None) -> None:
+        self.holder = holder
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if self.name is None:
+            self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> T:
+        if instance is None:
+            return self  # type: ignore[return-value]  # the class's own attribute: the descriptor, for docs tools
+        value: T = getattr(getattr(instance, self.holder), self.name or "")
+        return value

@@ -6,13 +6,12 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
 
 from .control import to_timedelta
 from .evaluation.coordinator import PREDICTIONS_ON
 from .preemption import DEFAULT_PREEMPTION_SIGNALS, parse_signals
 
-__all__ = ["DEFAULT_BARRIER_TIMEOUT", "OptionAttribute", "StrategyOptions"]
+__all__ = ["DEFAULT_BARRIER_TIMEOUT", "StrategyOptions"]
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
 DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
@@ -22,8 +21,6 @@ _ASYNC_SNAPSHOT = frozenset({"overlap", "blocking"})
 _SHARDING_CHECK = frozenset({"raise", "warn"})
 _WEIGHT_CHECK = frozenset({"epoch", "save"})
 _UNEVEN_INPUTS = frozenset({"raise", "warn"})
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -194,20 +191,3 @@ def _check_choice(name: str, value: object, choices: frozenset[str], *, optional
     if (optional and value is None) or value in choices:
         return
     raise ValueError(f"`{name}` must be one of {sorted(choices)}{' or None' if optional else ''}, got {value!r}.")
-
-
-class OptionAttribute(Generic[T]):
-    """A read-only attribute of the strategy showing the option of the same name (``strategy.options.<name>``).
-
-    Example: ``barrier_timeout = OptionAttribute[timedelta]()`` in the class body makes ``strategy.barrier_timeout``
-    read ``strategy.options.barrier_timeout``.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, instance: Any, owner: type | None = None) -> T:
-        if instance is None:
-            return self  # type: ignore[return-value]  # the class's own attribute: the descriptor, for docs tools
-        value: T = getattr(instance.options, self.name)
-        return value

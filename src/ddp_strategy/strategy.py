@@ -32,8 +32,9 @@ from .control import ControlPlane
 from .evaluation.coordinator import ExactEvaluation
 from .evaluation.steps import EvaluationSteps
 from .handshake_runner import Handshakes
+from .host import Delegated
 from .lifecycle import RunLifecycle
-from .options import DEFAULT_BARRIER_TIMEOUT, OptionAttribute, StrategyOptions
+from .options import DEFAULT_BARRIER_TIMEOUT, StrategyOptions
 from .positions import call_site
 from .preemption import DEFAULT_PREEMPTION_SIGNALS, exit_code
 from .resume import ExactResume
@@ -73,17 +74,17 @@ class SafeDDPStrategy(DDPStrategy):
 
     strategy_name = "safe_ddp"
 
-    barrier_timeout = OptionAttribute[timedelta]()
-    heartbeat_interval = OptionAttribute[float]()
-    async_save = OptionAttribute[bool]()
-    async_snapshot = OptionAttribute[str]()
-    save_on = OptionAttribute[str]()
-    sharding_check = OptionAttribute[str | None]()
-    uneven_inputs = OptionAttribute[str | None]()
-    weight_check = OptionAttribute[str | int | None]()
-    track_trainable_set = OptionAttribute[bool]()
-    preemption_signals = OptionAttribute[tuple[signal.Signals, ...]]()
-    desync_detection = OptionAttribute[bool]()
+    barrier_timeout = Delegated[timedelta]("options")
+    heartbeat_interval = Delegated[float]("options")
+    async_save = Delegated[bool]("options")
+    async_snapshot = Delegated[str]("options")
+    save_on = Delegated[str]("options")
+    sharding_check = Delegated[str | None]("options")
+    uneven_inputs = Delegated[str | None]("options")
+    weight_check = Delegated[str | int | None]("options")
+    track_trainable_set = Delegated[bool]("options")
+    preemption_signals = Delegated[tuple[signal.Signals, ...]]("options")
+    desync_detection = Delegated[bool]("options")
 
     def __init__(
         self,
@@ -123,55 +124,33 @@ class SafeDDPStrategy(DDPStrategy):
         self._calls = CollectiveCalls()
         self._lifecycle = RunLifecycle(self._calls, options)
         control = self._lifecycle.control_plane_or_none
-        self._handshakes = Handshakes(control, enabled=options.handshake, uneven_inputs=options.uneven_inputs)
-        self._evaluation = EvaluationSteps(
-            control, enabled=options.exact_evaluation, predictions_on=options.predictions_on
-        )
+        self._handshakes = Handshakes(control, options)
+        self._evaluation = EvaluationSteps(control, options)
         self._weights = WeightChecks(options)
         self._saving = CheckpointSaving(self, options, self._lifecycle, self._weights, self.bucket_layout)
         self._resume = ExactResume(self, control, self.bucket_layout, self._saving.wait_before_reading)
         self._preemption = PreemptionHandling(options, control, self._saving.finish_async_writes)
 
     # ------------------------------------------------------------------ attributes
-    @property
-    def control_plane(self) -> ControlPlane | None:
-        """The control plane, available between ``setup_environment`` and ``teardown``."""
-        return self._lifecycle.control
-
-    @property
-    def handshake_enabled(self) -> bool:
-        """Whether the start-up handshake runs (the ``handshake`` option)."""
-        return self._handshakes.enabled
-
-    @property
-    def exact_evaluation(self) -> bool:
-        """Whether exact evaluation is on (the option; off when a Trainer's loops could not be replaced)."""
-        return self._evaluation.enabled
+    #: The control plane, available between ``setup_environment`` and ``teardown``.
+    control_plane = Delegated[ControlPlane | None]("_lifecycle", "control")
+    #: Whether the start-up handshake runs (the ``handshake`` option).
+    handshake_enabled = Delegated[bool]("_handshakes", "enabled")
+    #: Whether exact evaluation is on (the option; off once a Trainer's loops could not be replaced).
+    exact_evaluation = Delegated[bool]("_evaluation", "enabled")
+    #: Seconds the last start-up handshake took on this rank (``None`` before the first one).
+    last_handshake_seconds = Delegated[float | None]("_handshakes", "last_seconds")
+    #: Whether the gloo worker threads of the process groups keep a Python thread state (see fork_safety).
+    collective_threads_pinned = Delegated[bool]("_lifecycle")
+    #: Asynchronous saves on this rank whose snapshot overlapped training (``async_snapshot="overlap"``).
+    overlapped_saves = Delegated[int]("_saving")
+    #: How many times the set of trainable parameters changed, and DDP's wrapper was rebuilt, in the last fit.
+    trainable_set_changes = Delegated[int]("_weights")
 
     @property
     def exact_evaluation_coordinator(self) -> ExactEvaluation | None:
         """The exact-evaluation coordinator while it is in effect (``exact_evaluation`` and several ranks)."""
         return self._evaluation.coordinator(self.world_size)
-
-    @property
-    def last_handshake_seconds(self) -> float | None:
-        """Seconds the last start-up handshake took on this rank (``None`` before the first one)."""
-        return self._handshakes.last_seconds
-
-    @property
-    def collective_threads_pinned(self) -> bool:
-        """Whether the gloo worker threads of the process groups keep a Python thread state (see fork_safety)."""
-        return self._lifecycle.collective_threads_pinned
-
-    @property
-    def overlapped_saves(self) -> int:
-        """Asynchronous saves on this rank whose snapshot overlapped training (``async_snapshot="overlap"``)."""
-        return self._saving.overlapped_saves
-
-    @property
-    def trainable_set_changes(self) -> int:
-        """How many times the set of trainable parameters changed, and DDP's wrapper was rebuilt, in the last fit."""
-        return self._weights.trainable_set_changes
 
     # ------------------------------------------------------------------ registration and life cycle
     @classmethod
@@ -189,10 +168,9 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # A private Lightning hook, overridden here because only the strategy can choose its launcher (the seam's
-        # `configure_launcher` does the private part): the spawn launcher's main process exits with the ranks'
-        # preemption code; in every rank, a backend error caused by diverged collectives is replaced by the error the
-        # ranks agreed on.
+        # A private Lightning hook, but the only place a strategy sets its launcher (the seam does the private part):
+        # the spawn launcher's main process exits with the ranks' preemption code; a backend error that diverged
+        # collectives caused is replaced by the error the ranks agreed on.
         super()._configure_launcher()
         signals = self.options.preemption_signals
         codes = frozenset(exit_code(sig) for sig in signals)
@@ -359,7 +337,7 @@ class SafeDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None = None
     ) -> None:
-        """Collective save of every rank's RNG state (and weight fingerprints) to the writers; all learn the outcome.
+        """Collective save: every rank's RNG state and weights' fingerprints go to the writers (see ``saving``).
 
         Raises:
             CheckpointWriteError: on every rank when the write failed; the previous checkpoint is intact.
@@ -375,14 +353,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: CheckpointPath, weights_only: bool | None = None) -> dict[str, Any]:
-        """Rank 0 verifies (and for ``last`` falls back), every rank loads the agreed file onto its own device.
-
-        Raises:
-            FileNotFoundError: the checkpoint does not exist.
-            CheckpointIntegrityError: the checkpoint is damaged and no fallback applies.
-            UnsafeCheckpointError: the checkpoint carries pickled objects and ``weights_only=False`` was not given.
-
-        """
+        """Rank 0 verifies (``last`` falls back), every rank loads the agreed file; see :meth:`ExactResume.load`."""
         return self._resume.load(checkpoint_path, weights_only)
 
     @override

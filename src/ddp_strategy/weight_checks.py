@@ -17,6 +17,7 @@ from .callbacks.weight_sync import WeightSyncCheck
 from .consistency import Comparison
 from .control import ControlPlane
 from .errors import DDPStrategyError
+from .host import StrategyHost
 from .options import StrategyOptions
 from .trainable import TrainableSetWatcher, agree_on_trainable_set, describe_change
 
@@ -66,7 +67,7 @@ class WeightChecks:
         if check is not None and periodic and world_size > 1 and not has_callback(trainer, check):
             add_callback(trainer, check)
 
-    def on_train_batch_start(self, strategy: Any, step: int, control: ControlPlane | None) -> int:
+    def on_train_batch_start(self, strategy: StrategyHost, step: int, control: ControlPlane | None) -> int:
         """Count the batch; when the trainable set changed, agree on it and rebuild ``strategy``'s DDP wrapper.
 
         The test is one attribute read per parameter, no I/O.
@@ -100,7 +101,7 @@ class WeightChecks:
         if self.check is not None:
             self.check.agreement.last_step = step
 
-    def _follow_trainable_set(self, strategy: Any, step: int, control: ControlPlane | None) -> None:
+    def _follow_trainable_set(self, strategy: StrategyHost, step: int, control: ControlPlane | None) -> None:
         """Agree with the other ranks on the new trainable set (and on the weights), then rebuild DDP's wrapper."""
         watcher, model = self._trainable, strategy.model
         if watcher is None or control is None or not isinstance(model, DistributedDataParallel):

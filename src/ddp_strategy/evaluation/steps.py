@@ -7,6 +7,8 @@ from typing import Any
 
 from .._compat.lightning import pl
 from ..control import ControlPlane
+from ..host import StrategyHost
+from ..options import StrategyOptions
 from .coordinator import ExactEvaluation, sync_buffers_before_evaluation
 
 __all__ = ["EvaluationSteps"]
@@ -24,15 +26,15 @@ class EvaluationSteps:
 
     Args:
         control: returns the strategy's control plane (``None`` outside a run).
-        enabled: the strategy's ``exact_evaluation`` option.
-        predictions_on: where ``trainer.predict`` returns all predictions (``"global_zero"`` or ``"all"``).
+        options: the strategy's options (``exact_evaluation``; ``predictions_on``: where ``trainer.predict`` returns
+            all predictions).
 
     """
 
-    def __init__(self, control: Callable[[], ControlPlane | None], *, enabled: bool, predictions_on: str) -> None:
+    def __init__(self, control: Callable[[], ControlPlane | None], options: StrategyOptions) -> None:
         #: Whether exact evaluation is on; switched off when a Trainer's loops could not be replaced.
-        self.enabled = enabled
-        self._exact = ExactEvaluation(control, predictions_on=predictions_on)
+        self.enabled = options.exact_evaluation
+        self._exact = ExactEvaluation(control, predictions_on=options.predictions_on)
 
     def coordinator(self, world_size: int) -> ExactEvaluation | None:
         """The exact-evaluation coordinator while it is in effect, else ``None``."""
@@ -64,7 +66,7 @@ class EvaluationSteps:
         self,
         hook: str,
         default: Callable[..., Any],
-        strategy: Any,
+        strategy: StrategyHost,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:

@@ -92,11 +92,15 @@ class Handshakes:
     def run(self, stage: str, strategy: StrategyHost) -> None:
         """The handshake of ``stage`` (``"train"``, ``"validate"``, ``"test"`` or ``"predict"``), on every rank.
 
+        The training handshake compares the training batch counts too (a reload before it needs no other check).
+
         Raises:
             DDPStrategyError: a subclass naming what differs between the ranks (setup, weights, devices), or
                 :class:`~ddp_strategy.errors.UnevenInputsError` for differing training batch counts.
 
         """
+        if stage == "train":
+            self.train_loader_reloaded = False  # its batch counts are compared now
         control = self._control()
         if not self.enabled or control is None:
             return

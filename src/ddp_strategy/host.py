@@ -65,6 +65,8 @@ class StrategyHost(Protocol):
 class Delegated(Generic[T]):
     """A read-only attribute of the strategy that shows an attribute of one of its feature objects.
 
+    Setting it raises ``AttributeError`` (the feature objects were built from the options).
+
     In the class body, ``last_handshake_seconds = Delegated[float | None]("_handshakes", "last_seconds")`` makes
     ``strategy.last_handshake_seconds`` read ``strategy._handshakes.last_seconds``; without ``name``, the attribute
     of the same name (``barrier_timeout = Delegated[timedelta]("options")``).
@@ -82,6 +84,11 @@ class Delegated(Generic[T]):
     def __set_name__(self, owner: type, name: str) -> None:
         if self.name is None:
             self.name = name
+
+    def __set__(self, instance: Any, value: object) -> None:
+        raise AttributeError(
+            f"`{self.name}` is read-only: it shows `{self.holder}.{self.name}`; pass it to the constructor instead."
+        )
 
     def __get__(self, instance: Any, owner: type | None = None) -> T:
         if instance is None:

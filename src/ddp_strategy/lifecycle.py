@@ -1,9 +1,10 @@
-"""``RunLifecycle``: the control plane and desync monitor of one stage, from ``setup_environment`` to ``teardown``.
+"""``RunLifecycle``: the process groups of a run, and the control plane and desync monitor of each stage.
 
-It owns what the strategy builds for a stage and takes down after it: the control plane, the desync monitor, the
-pinning of the gloo worker threads, whether the stage failed, what a failure publishes (and which peer it blames),
-the comparison of the ranks' strategy collectives at the end, and the error the launcher raises instead of a backend
-error that diverged collectives caused.
+It owns what the strategy builds for a stage and takes down after it: the default process group (created once, kept
+until the process exits), the control plane, the desync monitor, the pinning of the gloo worker threads (and the
+fork-hazard warning when it was incomplete), whether the stage failed, what a failure publishes (and which peer it
+blames), the comparison of the ranks' strategy collectives at the end, and the error the launcher raises instead of
+a backend error that diverged collectives caused.
 """
 
 from __future__ import annotations

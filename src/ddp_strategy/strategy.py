@@ -191,7 +191,6 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        self._handshakes.done = False
         self._evaluation.setup(trainer, self.world_size)
         if self.sharding_check is not None and self.world_size > 1:
             ensure_sharding_check(trainer, "raise" if self.sharding_check == "raise" else "warn")
@@ -228,7 +227,6 @@ class SafeDDPStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         # Always checked here, even after the sanity-check validation ran the handshake: user hooks such as
         # on_train_start run in between and may change weights on one rank.
-        self._handshakes.train_loader_reloaded = False  # its batch counts are compared now
         self._handshakes.run("train", self)
         trainer = self._trainer_or_none()
         self._lifecycle.warn_about_fork_hazard(trainer, is_global_zero=self.is_global_zero, world_size=self.world_size)

@@ -155,7 +155,7 @@ def test_strategy_and_watchdog_share_one_diagnosis(planes, caplog, tmp_path, fir
     rank0 = plane(planes, store, 0, 2)
     plane(planes, store, 1, 2, heartbeat=0)  # gone
     strategy = SafeDDPStrategy()
-    strategy._control = rank0
+    strategy._lifecycle.control = rank0
     trainer = SimpleNamespace(
         strategy=strategy, global_rank=0, world_size=2, default_root_dir=str(tmp_path), global_step=3
     )

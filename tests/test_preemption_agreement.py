@@ -152,17 +152,17 @@ def test_a_signal_that_led_to_no_stop_is_delivered_again():
     strategy = SafeDDPStrategy(preemption_signals=["SIGUSR1"])
     agreement = PreemptionAgreement(rank=0, world_size=1)
     agreement.request(signal.SIGUSR1)  # received after the ranks' last agreement: no stop happened
-    strategy._preemption = PreemptionStop(agreement, lambda: None, lambda: None)
+    strategy._preemption.stop = PreemptionStop(agreement, lambda: None, lambda: None)
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
     try:
-        strategy._deliver_unused_signal()
+        strategy._preemption.deliver_unused_signal()
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)
         assert seen == [signal.SIGUSR1]
-        strategy._preemption.stopped = (3, "x")  # after a stop: nothing is delivered again
-        strategy._deliver_unused_signal()
+        strategy._preemption.stop.stopped = (3, "x")  # after a stop: nothing is delivered again
+        strategy._preemption.deliver_unused_signal()
         time.sleep(0.1)
         assert seen == [signal.SIGUSR1]
     finally:

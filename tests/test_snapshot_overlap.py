@@ -112,7 +112,7 @@ def test_optimizer_update_waits_for_the_snapshot_after_forward_and_backward(monk
 
     monkeypatch.setattr(DDPStrategy, "optimizer_step", stock_optimizer_step)
     strategy = SafeDDPStrategy()
-    strategy._writer = FakeWriter(events)  # type: ignore[assignment]
+    strategy._saving.writer = FakeWriter(events)  # type: ignore[assignment]
     strategy.optimizer_step(None, lambda: events.append("forward and backward"))
     assert events == ["forward and backward", "snapshot copied", "parameters updated"]
     events.clear()
@@ -122,7 +122,7 @@ def test_optimizer_update_waits_for_the_snapshot_after_forward_and_backward(monk
 
     def save_in_training_step() -> None:  # a snapshot that starts during the closure is waited for too
         events.append("forward and backward")
-        strategy._writer.snapshot_pending = True  # type: ignore[union-attr]
+        strategy._saving.writer.snapshot_pending = True  # type: ignore[union-attr]
 
     strategy.optimizer_step(None, save_in_training_step)
     assert events == ["forward and backward", "snapshot copied", "parameters updated"]
@@ -135,5 +135,5 @@ def test_async_snapshot_option_is_validated():
 
 @pytest.mark.parametrize(("mode", "overlap"), [("overlap", True), ("blocking", False)])
 def test_async_snapshot_mode_decides_whether_saves_overlap(mode, overlap):
-    assert SafeDDPStrategy(async_save=True, async_snapshot=mode)._overlap_snapshots is overlap
-    assert SafeDDPStrategy(async_save=True)._overlap_snapshots  # the default
+    assert SafeDDPStrategy(async_save=True, async_snapshot=mode).options.overlap_snapshots is overlap
+    assert SafeDDPStrategy(async_save=True).options.overlap_snapshots  # the default

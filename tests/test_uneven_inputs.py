@@ -72,13 +72,13 @@ def test_the_strategy_raises_warns_or_skips_as_configured(mode):
     uneven = facts(8, 7)
     if mode == "raise":
         with pytest.raises(UnevenInputsError, match="8 on rank\\(s\\) 0; 7 on rank\\(s\\) 1") as caught:
-            strategy._check_training_batches(uneven)
+            strategy._handshakes.check_training_batches(uneven)
         assert caught.value.batches == (8.0, 7.0) and caught.value.missing_ranks == (1,)
     elif mode == "warn":
         with pytest.warns(UserWarning, match="ddp_strategy: Ranks have different numbers of training batches"):
-            strategy._check_training_batches(uneven)
+            strategy._handshakes.check_training_batches(uneven)
     else:
-        strategy._check_training_batches(uneven)  # not compared at all
+        strategy._handshakes.check_training_batches(uneven)  # not compared at all
     with pytest.raises(ValueError, match="uneven_inputs"):
         SafeDDPStrategy(uneven_inputs="ignore")
 
@@ -123,27 +123,27 @@ class GatherControl:
 def test_the_epoch_start_compares_only_after_a_reload(mode):
     strategy = SafeDDPStrategy(uneven_inputs=mode)
     control = GatherControl(other=8.0)
-    strategy._control = control  # type: ignore[assignment]
+    strategy._lifecycle.control = control  # type: ignore[assignment]
     trainer: Any = SimpleNamespace(current_epoch=1, num_training_batches=7)
-    strategy._check_reloaded_training_batches(trainer)  # no reload since the handshake: no collective
+    strategy._handshakes.check_reloaded_training_batches(trainer)  # no reload since the handshake: no collective
     assert control.gathers == []
-    strategy._train_loader_reloaded = True
+    strategy._handshakes.train_loader_reloaded = True
     if mode == "raise":
         with pytest.raises(UnevenInputsError, match=r"in epoch 1, .*8 on rank\(s\) 0; 7 on rank\(s\) 1") as caught:
-            strategy._check_reloaded_training_batches(trainer)
+            strategy._handshakes.check_reloaded_training_batches(trainer)
         assert caught.value.batches == (8.0, 7.0) and caught.value.missing_ranks == (1,)
     elif mode == "warn":
         with pytest.warns(
             UserWarning, match="ddp_strategy: Ranks have different numbers of training batches in epoch 1"
         ):
-            strategy._check_reloaded_training_batches(trainer)
+            strategy._handshakes.check_reloaded_training_batches(trainer)
     else:
-        strategy._check_reloaded_training_batches(trainer)
+        strategy._handshakes.check_reloaded_training_batches(trainer)
     assert control.gathers == ([] if mode is None else ["training-batches:epoch-1"])
-    assert not strategy._train_loader_reloaded  # compared once per reload
-    strategy._check_reloaded_training_batches(trainer)
+    assert not strategy._handshakes.train_loader_reloaded  # compared once per reload
+    strategy._handshakes.check_reloaded_training_batches(trainer)
     assert len(control.gathers) == (0 if mode is None else 1)
-    strategy._control = None
+    strategy._lifecycle.control = None
 
 
 def epoch_steps(output: str, rank: int, epoch: int) -> list[int]:

@@ -130,14 +130,14 @@ def test_diverged_weights_are_named_on_every_rank_and_nothing_is_written(monkeyp
 # ---------------------------------------------------------------------------------------------- options
 def test_strategy_weight_check_settings():
     assert SafeDDPStrategy().weight_check == "epoch"
-    epoch = SafeDDPStrategy()._weight_check
+    epoch = SafeDDPStrategy()._weights.check
     assert epoch is not None and epoch.at_epoch_end and epoch.every_n_steps is None
     assert not epoch.agreement.norm_statistics  # per-rank BatchNorm statistics are no false alarm
-    every = SafeDDPStrategy(weight_check=50, weight_check_exclude=["*.rank_local"])._weight_check
+    every = SafeDDPStrategy(weight_check=50, weight_check_exclude=["*.rank_local"])._weights.check
     assert every is not None and every.every_n_steps == 50 and every.at_epoch_end and every.exclude == ("*.rank_local",)
-    saves = SafeDDPStrategy(weight_check="save")._weight_check
+    saves = SafeDDPStrategy(weight_check="save")._weights.check
     assert saves is not None and not saves.at_epoch_end and saves.every_n_steps is None
-    assert SafeDDPStrategy(weight_check=None)._weight_check is None
+    assert SafeDDPStrategy(weight_check=None)._weights.check is None
     for bad in ("always", 0, -3, 2.5, True):
         with pytest.raises(ValueError, match="`weight_check` must be one of"):
             SafeDDPStrategy(weight_check=bad)  # type: ignore[arg-type]

@@ -89,7 +89,8 @@ class TinyModel(pl.LightningModule):
         if self.scenario == "fail_write" and self.current_epoch == 1 and self.trainer.global_rank == 0:
             # the next checkpoint write on rank 0 hits a file size limit (as a full disk would); with async_save,
             # epoch 0's write may still be in flight in the background: let it finish first (the limit is global)
-            writer = getattr(self.trainer.strategy, "_writer", None)
+            saving = getattr(self.trainer.strategy, "_saving", None)
+            writer = saving.writer if saving is not None else None
             if writer is not None:
                 writer.wait()
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -299,13 +300,13 @@ def sharding_result(trainer: pl.Trainer) -> dict[str, Any] | None:
 
 def report_ranks(trainer: pl.Trainer, directory: str) -> None:
     """Write this rank's global/local/node rank, world size and checkpoint-writer role to DIRECTORY/rank<g>.json."""
-    strategy = trainer.strategy
+    saving = getattr(trainer.strategy, "_saving", None)
     facts = {
         "global_rank": trainer.global_rank,
         "local_rank": trainer.local_rank,
         "node_rank": trainer.node_rank,
         "world_size": trainer.world_size,
-        "is_writer": bool(getattr(strategy, "_is_writer", trainer.is_global_zero)),
+        "is_writer": bool(saving.is_writer if saving is not None else trainer.is_global_zero),
         "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")},
         "global_step": trainer.global_step,
     }

@@ -52,6 +52,7 @@ __all__ = [
     "current_hook_name",
     "dataloader_init_args",
     "destroy_default_process_group",
+    "epochs_processed",
     "fabric",
     "find_callback",
     "handle_signals_during_run",
@@ -582,6 +583,11 @@ def training_progress(trainer: Any) -> tuple[int, int] | None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     return int(trainer.current_epoch), int(progress.ready)
+
+
+def epochs_processed(trainer: Any) -> int:
+    """How many training epochs the fit loop counts as processed (the epoch a new training iterator is for)."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)
 
 
 def current_hook_name(module: Any) -> str:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from typing_extensions import override
 
-from .._compat.lightning import Callback, last_checkpoint_path, pl
-from ..control import ControlPlane
+from .._compat.lightning import Callback, TrainerFn, add_callback, handle_signals_during_run, last_checkpoint_path, pl
+from ..control import ControlPlane, scaled_interval
+from ..options import StrategyOptions
 from ..preemption import KEYS as PREEMPTION_KEYS
 from ..preemption import Preempted, PreemptionAgreement, stop_message
 
-__all__ = ["PreemptionStop"]
+__all__ = ["PreemptionHandling", "PreemptionStop"]
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +93,60 @@ class PreemptionStop(Callback):
         raise Preempted(
             message, signal_name=self.agreement.signal_name(), code=self.agreement.exit_code(), step=step, path=path
         )
+
+
+class PreemptionHandling:
+    """The strategy's side of preemption: for each ``fit``, a :class:`PreemptionStop` and the signals routed to it.
+
+    Args:
+        options: the strategy's options (``preemption_signals``: none leaves signals to Lightning;
+            ``heartbeat_interval``: the agreement looks at the store as often).
+        control: returns the strategy's control plane (``None`` outside a run).
+        finish_writes: waits for an asynchronous checkpoint write in flight and agrees on its outcome.
+
+    """
+
+    def __init__(
+        self,
+        options: StrategyOptions,
+        control: Callable[[], ControlPlane | None],
+        finish_writes: Callable[[], None],
+    ) -> None:
+        self.signals = options.preemption_signals
+        self._heartbeat_interval = options.heartbeat_interval
+        self._control = control
+        self._finish_writes = finish_writes
+        self._rank = 0
+        #: The stop callback of the current ``fit``; ``None`` in other stages or without preemption signals.
+        self.stop: PreemptionStop | None = None
+
+    def setup(self, trainer: pl.Trainer, *, rank: int, world_size: int) -> None:
+        """At the strategy's ``setup``: for ``fit``, take the signals from Lightning's handlers and add the stop."""
+        self.stop = None
+        self._rank = rank
+        if not self.signals or trainer.state.fn != TrainerFn.FITTING:
+            return
+        poll = scaled_interval(self._heartbeat_interval or 1.0, world_size)  # flat store load at any size
+        agreement = PreemptionAgreement(rank=rank, world_size=world_size, poll_interval=poll)
+        self.stop = PreemptionStop(agreement, self._control, self._finish_writes)
+        add_callback(trainer, self.stop, replace=PreemptionStop)
+        handle_signals_during_run(trainer, self.signals, agreement.request, self.deliver_unused_signal)
+
+    def deliver_unused_signal(self) -> None:
+        """After the run's handlers were restored: a signal that led to no stop is delivered again, as if unhandled.
+
+        That is a signal that came after the ranks' last agreement (between ``on_train_end`` and the end of
+        ``fit``) or on a rank that failed for another reason: the process's own handling applies (by default it
+        ends the process).
+        """
+        stop = self.stop
+        if stop is None or stop.stopped is not None or stop.agreement.received is None:
+            return
+        received = stop.agreement.received
+        log.warning(
+            "ddp_strategy: rank %d received %s after the ranks' last chance to agree on a stop; delivering it again "
+            "now that fit has ended.",
+            self._rank,
+            received.name,
+        )
+        os.kill(os.getpid(), received)

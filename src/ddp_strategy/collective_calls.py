@@ -1,0 +1,109 @@
+"""``CollectiveCalls``: the strategy's own collectives (``reduce``, ``all_gather``, ``broadcast``) for desync detection.
+
+While a :class:`~ddp_strategy.desync.DesyncMonitor` watches the run, each call first raises the desync the ranks
+agreed on (if any), adds what it is to the monitor's :class:`~ddp_strategy.desync.CallLedger` (compared across
+ranks), and runs inside a :class:`~ddp_strategy.desync.CallNotes` note that names its origin (the
+``self.log(..., sync_dist=True)`` line, found through :class:`~ddp_strategy.desync.LogSites`). Without a monitor a
+call goes straight to Lightning's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._compat.lightning import logged_metric_of_caller
+from .desync import CallNotes, DesyncMonitor, LogSites, check_gather_shapes
+from .positions import call_site
+
+__all__ = ["CollectiveCalls", "mean_in_floating_point"]
+
+
+def mean_in_floating_point(tensor: Tensor, reduce_op: Any) -> Tensor:
+    """``tensor`` in double precision when a mean of integers is asked for, else itself.
+
+    Lightning truncates an integer mean, in place: a ``self.log(..., sync_dist=True)`` mean over uneven batch counts
+    (say 5 and 4 samples) was wrong.
+    """
+    if str(reduce_op).lower() in ("mean", "avg") and not torch.is_floating_point(tensor):
+        return tensor.double()
+    return tensor
+
+
+class CollectiveCalls:
+    """Records the strategy's own collectives for desync detection; see the module docs.
+
+    The run's life cycle (:class:`~ddp_strategy.lifecycle.RunLifecycle`) builds the monitor with :attr:`notes` and
+    hands it over with :meth:`watched_by`; each method takes Lightning's implementation of the call as ``run``.
+    """
+
+    def __init__(self) -> None:
+        #: What made each recent collective, read by the monitor when it describes one.
+        self.notes = CallNotes()
+        #: The lines of the module's ``self.log(..., sync_dist=True)`` calls.
+        self.log_sites = LogSites()
+        self.monitor: DesyncMonitor | None = None
+
+    def watched_by(self, monitor: DesyncMonitor | None) -> None:
+        """Record the following calls for ``monitor`` (``None``: stop recording)."""
+        self.monitor = monitor
+
+    def reduce(self, run: Callable[..., Any], tensor: Any, group: Any | None, reduce_op: Any | None) -> Any:
+        """``run(tensor, group=group, reduce_op=reduce_op)``, recorded with the ``self.log`` value it syncs."""
+        monitor = self.monitor
+        if monitor is None:
+            return run(tensor, group=group, reduce_op=reduce_op)
+        self._raise_agreed_desync(monitor)
+        logged = logged_metric_of_caller(depth=9)  # from the strategy's `reduce` on: its caller's 8 frames
+        shape = f"{tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
+        monitor.ledger.add(f"reduce {'.'.join(logged) if logged else ''} {shape} {reduce_op}")
+        note = self.notes.begin(self.log_sites.describe(*logged) if logged else "strategy.reduce")
+        try:
+            return run(tensor, group=group, reduce_op=reduce_op)
+        finally:
+            self.notes.end(note)
+
+    def all_gather(
+        self, run: Callable[..., Tensor], tensor: Tensor, group: Any | None, sync_grads: bool, device: Any
+    ) -> Tensor:
+        """``run(tensor, group=group, sync_grads=sync_grads)``, after the ranks compared their tensors' shapes.
+
+        Raises:
+            CollectiveMismatchError: the ranks' tensors differ in shape or dtype (gloo would abort the process).
+
+        """
+        monitor = self.monitor
+        if monitor is None:
+            return run(tensor, group=group, sync_grads=sync_grads)
+        self._raise_agreed_desync(monitor)
+        monitor.ledger.add(
+            f"all_gather {tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, Tensor) else "all_gather"
+        )
+        if isinstance(tensor, Tensor):
+            check_gather_shapes(tensor, group=group, device=device, site=call_site(skip=3))
+        note = self.notes.begin("self.all_gather / strategy.all_gather")
+        try:
+            return run(tensor, group=group, sync_grads=sync_grads)
+        finally:
+            self.notes.end(note)
+
+    def broadcast(self, run: Callable[[Any, int], Any], obj: Any, src: int) -> Any:
+        """``run(obj, src)``, recorded."""
+        monitor = self.monitor
+        if monitor is None:
+            return run(obj, src)
+        self._raise_agreed_desync(monitor)
+        monitor.ledger.add(f"broadcast {src}")
+        note = self.notes.begin(f"strategy.broadcast(obj, src={src})")
+        try:
+            return run(obj, src)
+        finally:
+            self.notes.end(note)
+
+    @staticmethod
+    def _raise_agreed_desync(monitor: DesyncMonitor) -> None:
+        if monitor.control.desync_error is not None:
+            raise monitor.control.desync_error

@@ -27,6 +27,7 @@ from ._compat.lightning import (
     configure_launcher,
     count_checkpointed_batch_as_completed,
     destroy_default_process_group,
+    epochs_processed,
     handle_signals_during_run,
     has_callback,
     init_default_process_group,
@@ -898,6 +899,11 @@ class SafeDDPStrategy(DDPStrategy):
         """Whether asynchronous saves during training copy parameters and optimizer state beside the next step."""
         return self.async_snapshot == "overlap"
 
+    @property
+    def async_writer(self) -> AsyncCheckpointWriter | None:
+        """This rank's ``async_save`` writer, from its first asynchronous write until the teardown; else ``None``."""
+        return self._writer
+
     def _wait_for_snapshot(self) -> None:
         """Block until the overlapped snapshot of the last asynchronous save is copied (weights may change after)."""
         if self._writer is not None:
@@ -1030,7 +1036,7 @@ class SafeDDPStrategy(DDPStrategy):
         if trainer is None or not trainer.training:
             return dataloader
         self._train_loader_reloaded = True  # on every rank in the same epoch: the Trainer's reload schedule
-        epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+        epoch = epochs_processed(trainer)
         if self._resumed is not None:  # the fit loop's reset, after this, counts an epoch ended by the saved batch
             epoch += int(self._resumed["epochs_ahead"])
         set_sampler_epoch(dataloader, epoch)

@@ -223,7 +223,7 @@ class FaultInjector(Callback):
             while time.monotonic() < deadline:
                 time.sleep(min(60.0, max(0.0, deadline - time.monotonic())))
         elif fault.kind == "fail_writes":
-            writer = getattr(trainer.strategy, "_writer", None)
+            writer = getattr(trainer.strategy, "async_writer", None)
             if writer is not None:  # async_save: let the write in flight finish (the limit is process-wide)
                 writer.wait()
             max_bytes = int(fault.arg if fault.arg is not None else 1024)

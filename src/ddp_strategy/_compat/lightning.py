@@ -52,6 +52,7 @@ __all__ = [
     "current_hook_name",
     "dataloader_init_args",
     "destroy_default_process_group",
+    "epochs_processed",
     "fabric",
     "find_callback",
     "handle_signals_during_run",
@@ -194,6 +195,14 @@ def training_dataloaders(trainer: Any) -> list[object]:
     fit_loop = getattr(trainer, "fit_loop", None)
     combined = getattr(fit_loop, "_combined_loader", None)
     return list(combined.flattened) if combined is not None else []
+
+
+def epochs_processed(trainer: Any) -> int:
+    """The fit loop's count of processed epochs: the epoch Lightning sets on the samplers when an epoch starts.
+
+    While a resumed run sets up its data, before the fit loop's ``reset``, it is the count the checkpoint holds.
+    """
+    return int(trainer.fit_loop.epoch_progress.current.processed)
 
 
 def find_callback(trainer: Any, kind: type) -> Any | None:

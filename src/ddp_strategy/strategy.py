@@ -26,6 +26,7 @@ from ._compat.lightning import (
 from .bucket_layout import BucketLayoutKeeper
 from .callbacks.preemption_stop import PreemptionHandling
 from .callbacks.sharding_check import ensure_sharding_check
+from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
 from .collective_calls import CollectiveCalls, mean_in_floating_point
 from .control import ControlPlane
@@ -146,6 +147,8 @@ class SafeDDPStrategy(DDPStrategy):
     overlapped_saves = Delegated[int]("_saving")
     #: How many times the set of trainable parameters changed, and DDP's wrapper was rebuilt, in the last fit.
     trainable_set_changes = Delegated[int]("_weights")
+    #: Rank 0's background checkpoint writer while an ``async_save`` write may be in flight, else ``None``.
+    async_writer = Delegated[AsyncCheckpointWriter | None]("_saving", "writer")
 
     @property
     def exact_evaluation_coordinator(self) -> ExactEvaluation | None:

@@ -223,8 +223,7 @@ class FaultInjector(Callback):
             while time.monotonic() < deadline:
                 time.sleep(min(60.0, max(0.0, deadline - time.monotonic())))
         elif fault.kind == "fail_writes":
-            saving = getattr(trainer.strategy, "_saving", None)  # SafeDDPStrategy's CheckpointSaving
-            writer = saving.writer if saving is not None else None
+            writer = getattr(trainer.strategy, "async_writer", None)
             if writer is not None:  # async_save: let the write in flight finish (the limit is process-wide)
                 writer.wait()
             max_bytes = int(fault.arg if fault.arg is not None else 1024)

@@ -197,6 +197,14 @@ def training_dataloaders(trainer: Any) -> list[object]:
     return list(combined.flattened) if combined is not None else []
 
 
+def epochs_processed(trainer: Any) -> int:
+    """The fit loop's count of processed epochs: the epoch Lightning sets on the samplers when an epoch starts.
+
+    While a resumed run sets up its data, before the fit loop's ``reset``, it is the count the checkpoint holds.
+    """
+    return int(trainer.fit_loop.epoch_progress.current.processed)
+
+
 def find_callback(trainer: Any, kind: type) -> Any | None:
     """The first of the Trainer's callbacks that is a ``kind``, or ``None``."""
     return next((callback for callback in trainer.callbacks if isinstance(callback, kind)), None)
@@ -583,11 +591,6 @@ def training_progress(trainer: Any) -> tuple[int, int] | None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     return int(trainer.current_epoch), int(progress.ready)
-
-
-def epochs_processed(trainer: Any) -> int:
-    """How many training epochs the fit loop counts as processed (the epoch a new training iterator is for)."""
-    return int(trainer.fit_loop.epoch_progress.current.processed)
 
 
 def current_hook_name(module: Any) -> str:

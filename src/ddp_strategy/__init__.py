@@ -25,6 +25,7 @@ from .errors import (
 )
 from .preemption import Preempted
 from .strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
+from .version import __version__
 
 __all__ = [
     "DEFAULT_BARRIER_TIMEOUT",
@@ -45,7 +46,6 @@ __all__ = [
     "__version__",
 ]
 
-__version__ = "0.1.0"
 
 SafeDDPStrategy.register_strategies(StrategyRegistry)
 

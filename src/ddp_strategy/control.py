@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch.distributed as dist
 
@@ -31,6 +31,7 @@ from ._compat.torch import default_store, new_lazy_gloo_group, new_store_connect
 from .errors import CollectiveMismatchError, DDPStrategyError
 from .object_collectives import KeepAlive, all_gather_objects, broadcast_object, gather_objects
 from .positions import Position, call_site, format_ranks
+from .store import Store
 from .store_barrier import (
     POSITION_KEY,
     PUBLISHED_KEY,
@@ -43,9 +44,6 @@ from .store_barrier import (
     read_positions_of,
     scan_interval,
 )
-
-if TYPE_CHECKING:
-    from .peers import PeerDiagnosis
 
 __all__ = [
     "FAST_BEAT",
@@ -81,40 +79,6 @@ _QUICK_POLLS, _QUICK_POLL, _QUICK_WORLD = 4, 0.002, 64
 # how long a rank that is not the leader waits past the timeout for the leader's verdict before making its own
 _LEADER_GRACE = 5.0
 _REASONS = {"failed": "failed before arriving", "went_on": "went on without entering it"}
-
-
-class Store(Protocol):
-    """The subset of :class:`torch.distributed.Store` the control plane uses (a fake one is used in tests)."""
-
-    def set(self, key: str, value: str) -> None:
-        """Store ``value`` under ``key``."""
-
-    def get(self, key: str) -> bytes:
-        """Return the value of ``key``, waiting for it to be set."""
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        """Return the values of ``keys`` in one round trip."""
-
-    def check(self, keys: list[str]) -> bool:
-        """Return whether every key in ``keys`` is set, without waiting."""
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        """Wait until every key in ``keys`` is set, or raise after ``timeout``."""
-
-    def delete_key(self, key: str) -> bool:
-        """Delete ``key``; return whether it existed."""
-
-    def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the counter ``key`` (created at 0) and return its new value."""
-
-    def append(self, key: str, value: str) -> None:
-        """Append ``value`` to the value of ``key`` (created empty)."""
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is ``""``).
-
-        Returns the value of ``key`` afterwards.
-        """
 
 
 def scaled_interval(interval: float, world_size: int) -> float:
@@ -340,7 +304,8 @@ class ControlPlane:
         self._keep = keep if keep is not None else KeepAlive()
         #: ``(exception, diagnosis)`` of this rank's failure, kept by :func:`~ddp_strategy.peers.diagnose_failed_peers`
         #: so that the strategy and the HangWatchdog share one diagnosis (one wait, one message).
-        self.failure_diagnosis: tuple[BaseException, PeerDiagnosis | None] | None = None
+        #: ``(exception, diagnosis)`` memo of :func:`ddp_strategy.peers.diagnose_failed_peers` (its ``PeerDiagnosis``)
+        self.failure_diagnosis: tuple[BaseException, Any] | None = None
         #: ``(rank, position)`` of a peer's failure, read by the heartbeat thread as soon as it is published
         self._peer_failure: tuple[int, Position] | None = None
         #: the barrier the training thread waits in right now, and since when (set and cleared by the wait itself)
@@ -1017,7 +982,7 @@ class ControlPlane:
         if self.world_size < 2 or self._heartbeat_interval <= 0:
             return
         diagnosis = self.failure_diagnosis[1] if self.failure_diagnosis is not None else None
-        gone = set(diagnosis.gone) if diagnosis is not None else set()  # they will never read it
+        gone = set(getattr(diagnosis, "gone", ()))  # they will never read it
         expected = self.world_size - 1 - len(gone - {self.rank})
         deadline = time.monotonic() + max(1.0, 3 * self._heartbeat_interval)
         try:

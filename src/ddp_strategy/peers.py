@@ -116,7 +116,8 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
     """
     memo = control.failure_diagnosis
     if memo is not None and memo[0] is exception:
-        return memo[1]
+        remembered: PeerDiagnosis | None = memo[1]  # this function's own memo (see ControlPlane.failure_diagnosis)
+        return remembered
     diagnosis = (
         None
         if control.world_size < 2 or isinstance(exception, (DDPStrategyError, Preempted))

@@ -34,8 +34,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .control import Store
 from .errors import DDPStrategyError
+from .store import Store
 
 __all__ = [
     "DEFAULT_PREEMPTION_SIGNALS",

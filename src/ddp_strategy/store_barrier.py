@@ -32,12 +32,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .positions import Position
-
-if TYPE_CHECKING:
-    from .control import Store
+from .store import Store
 
 __all__ = [
     "OK",

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from .._compat.lightning import FIT_TAKES_WEIGHTS_ONLY, CheckpointIO, CheckpointPath
 from ..errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
+from ..version import __version__
 from .atomic import EarlyWriteback, atomic_file
 from .format import (
     CHECKSUM_ALGORITHM,
@@ -143,8 +144,6 @@ def _local_path(path: str) -> str:
 
 
 def _writer_tag() -> str:
-    from .. import __version__
-
     return f"ddp_strategy {__version__}"
 
 

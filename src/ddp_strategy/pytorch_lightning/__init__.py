@@ -76,7 +76,7 @@ __path__ = [str(Path(__file__).resolve().parent.parent)]  # the submodules are d
 if not any(isinstance(finder, _SharedModuleFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _SharedModuleFinder())
 
-from .. import __version__  # noqa: E402
+from ..version import __version__  # noqa: E402
 from ._compat.lightning import StrategyRegistry  # noqa: E402
 from .errors import *  # noqa: E402, F403
 from .errors import __all__ as _errors  # noqa: E402

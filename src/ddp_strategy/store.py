@@ -1,0 +1,42 @@
+"""The subset of the rendezvous store the package uses, as a protocol (the bottom layer: it imports nothing)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+__all__ = ["Store"]
+
+
+class Store(Protocol):
+    """The subset of :class:`torch.distributed.Store` the control plane uses (a fake one is used in tests)."""
+
+    def set(self, key: str, value: str) -> None:
+        """Store ``value`` under ``key``."""
+
+    def get(self, key: str) -> bytes:
+        """Return the value of ``key``, waiting for it to be set."""
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Return the values of ``keys`` in one round trip."""
+
+    def check(self, keys: list[str]) -> bool:
+        """Return whether every key in ``keys`` is set, without waiting."""
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Wait until every key in ``keys`` is set, or raise after ``timeout``."""
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key`` (created at 0) and return its new value."""
+
+    def append(self, key: str, value: str) -> None:
+        """Append ``value`` to the value of ``key`` (created empty)."""
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is ``""``).
+
+        Returns the value of ``key`` afterwards.
+        """

@@ -44,8 +44,10 @@ SHARED_MODULES = frozenset(
         "peers",
         "positions",
         "preemption",
+        "store",
         "store_barrier",
         "trainable",
+        "version",
     }
 )
 

@@ -167,3 +167,78 @@ def test_a_signal_that_led_to_no_stop_is_delivered_again():
         assert seen == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def _stopped_rank_that_aborts_at_exit(out: str) -> None:
+    """A spawn rank that stops for SIGTERM (``Preempted``) with something that aborts at interpreter exit, as the
+    SIGABRT once seen after a correct stop ("terminate called without an active exception"); it has a child
+    process of its own, as a DataLoader worker."""
+    import atexit
+    import multiprocessing
+    import os
+    import sys
+
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True)
+    worker.start()
+    with open(out, "w") as f:
+        f.write(str(worker.pid))
+    atexit.register(os.abort)
+    print("the stop line", flush=False)
+    sys.stdout.write("unflushed tail")
+    raise Preempted("stopped", signal_name="SIGTERM", code=exit_code(signal.SIGTERM), step=6, path=None)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("at_once", [True, False], ids=["exit_at_once_on_stop", "plain"])
+def test_a_stopped_spawn_rank_exits_with_its_code_whatever_happens_at_interpreter_exit(tmp_path, capfd, at_once):
+    """The spawn launcher runs each rank's function through exit_at_once_on_stop: a preemption stop ends the
+    process with 143 before finalization (flushing output, ending its child processes), so an abort at exit cannot
+    turn it into SIGABRT. The plain case shows the hazard the wrapper removes."""
+    import functools
+    import multiprocessing
+
+    from ddp_strategy._compat.lightning import exit_at_once_on_stop
+
+    out = tmp_path / "worker.pid"
+    target = functools.partial(_stopped_rank_that_aborts_at_exit, str(out))
+    if at_once:
+        target = functools.partial(exit_at_once_on_stop, target, frozenset({143, 138}), None)
+    rank = multiprocessing.get_context("spawn").Process(target=target)
+    rank.start()
+    rank.join(60)
+    worker = int(out.read_text())
+    if at_once:
+        assert rank.exitcode == 143
+        assert not _alive(worker), "the rank's own child process was left running"
+        assert "the stop line\nunflushed tail" in capfd.readouterr().out
+    else:
+        assert rank.exitcode == -signal.SIGABRT
+        if _alive(worker):
+            import os
+
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_exit_at_once_on_stop_passes_other_exits_and_errors_on():
+    from ddp_strategy._compat.lightning import exit_at_once_on_stop
+
+    def raising(error: BaseException) -> None:
+        raise error
+
+    with pytest.raises(SystemExit) as stop:
+        exit_at_once_on_stop(raising, frozenset({143}), None, SystemExit(1))
+    assert stop.value.code == 1
+    with pytest.raises(ValueError, match="bad"):
+        exit_at_once_on_stop(raising, frozenset({143}), None, ValueError("bad"))
+    assert exit_at_once_on_stop(lambda x: x + 1, frozenset({143}), None, 1) == 2

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -53,6 +55,7 @@ __all__ = [
     "dataloader_init_args",
     "destroy_default_process_group",
     "epochs_processed",
+    "exit_at_once_on_stop",
     "fabric",
     "find_callback",
     "handle_signals_during_run",
@@ -501,6 +504,48 @@ def _run_converting(
         raise replacement from err
 
 
+def exit_at_once_on_stop(
+    function: Callable[..., Any], exit_codes: frozenset[int], trainer: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """Run a spawn rank's function; a ``SystemExit`` with one of ``exit_codes`` ends the process at once.
+
+    A preempted rank has saved, agreed and printed its line when :class:`~ddp_strategy.Preempted` reaches here.
+    It then does what Lightning does for a rank of the subprocess launcher (``_call_and_handle_interrupt``:
+    ``on_exception`` hooks, loggers finalized, ``trainer._teardown()``, so that the strategy closes its control
+    plane with every rank: rank 0, the store's host, goes last), and ends with ``os._exit`` after flushing the
+    streams and ending its own child processes (DataLoader workers). Its exit code so depends neither on the
+    interpreter's finalization nor on C++ static destructors: once, one of those aborted a stopped rank (SIGABRT,
+    "terminate called without an active exception"), and the main process exited 1 instead of 143. Other errors
+    and exit codes pass unchanged (as in stock Lightning, a spawn rank's error reaches the main process).
+
+    Args:
+        function: the launched function (``Trainer._fit_impl`` and the like).
+        exit_codes: the preemption exit codes (``128 + signal``).
+        trainer: the rank's Trainer (``None`` when the launcher runs without one).
+        *args: ``function``'s arguments.
+        **kwargs: ``function``'s keyword arguments.
+
+    """
+    try:
+        return function(*args, **kwargs)
+    except SystemExit as stop:
+        if stop.code not in exit_codes:
+            raise
+        if trainer is not None:
+            import_module(f"{_PL}.trainer.call")._interrupt(trainer, stop)
+            trainer._teardown()
+        code = int(stop.code)  # one of exit_codes
+    for child in multiprocessing.active_children():
+        child.terminate()
+    for child in multiprocessing.active_children():
+        child.join(timeout=5.0)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 class _ConvertingScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess-script launcher (also used under torchrun and SLURM); the run's errors may be replaced.
 
@@ -522,7 +567,7 @@ class _ExitCodeLauncher(_MultiProcessingLauncher):
 
     While the ranks run, the preemption signals the main process receives are passed on to them (it is no rank
     and has no checkpoint to write). In each rank, an error of the run may be replaced, as in
-    :class:`_ConvertingScriptLauncher`.
+    :class:`_ConvertingScriptLauncher`, and a preemption stop ends the rank at once (:func:`exit_at_once_on_stop`).
     """
 
     def __init__(
@@ -543,6 +588,7 @@ class _ExitCodeLauncher(_MultiProcessingLauncher):
 
         if self.convert is not None:
             function = functools.partial(_run_converting, function, self.convert)
+        function = functools.partial(exit_at_once_on_stop, function, self.exit_codes, trainer)
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self._pass_on) for sig in self.signals}

@@ -71,7 +71,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
-from ddp_strategy._compat.torch import enable_collective_trace  # noqa: E402
+from ddp_strategy._compat.torch import collective_trace_enabled  # noqa: E402
 from ddp_strategy.callbacks import HangWatchdog, StragglerMonitor, WeightSyncCheck  # noqa: E402
 from ddp_strategy.desync import TRACE_ENTRIES  # noqa: E402
 from examples.cifar10.data import CIFAR10_MEAN, CIFAR10_STD, DEFAULT_DATA_DIR, CIFAR10DataModule  # noqa: E402
@@ -524,8 +524,8 @@ def main() -> None:
     if torchrun:
         # torch's Flight Recorder, as SafeDDPStrategy turns it on for its own group (its desync detection reads it);
         # it records every variant's collectives alike (measured: no cost per call above noise, docs/architecture.md)
-        enable_collective_trace(TRACE_ENTRIES)
-        dist.init_process_group("gloo")  # before any fit, so no timed fit pays for the default process group
+        with collective_trace_enabled(TRACE_ENTRIES):
+            dist.init_process_group("gloo")  # before any fit, so no timed fit pays for the default process group
         world = dist.get_world_size()
         ctx: dict[str, Any] = {"devices": int(os.environ["LOCAL_WORLD_SIZE"]), "world": world}
         ctx["baton_group"] = dist.new_group(backend="gloo") if world > 1 else None

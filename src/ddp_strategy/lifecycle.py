@@ -10,6 +10,7 @@ a backend error that diverged collectives caused.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,7 +25,7 @@ from ._compat.lightning import (
     rank_zero_warn,
     training_dataloaders,
 )
-from ._compat.torch import collective_status, enable_collective_trace
+from ._compat.torch import collective_status, collective_trace_enabled
 from .collective_calls import CollectiveCalls
 from .control import ControlPlane
 from .desync import TRACE_ENTRIES, CallLedger, DesyncMonitor, first_published_difference
@@ -79,9 +80,10 @@ class RunLifecycle:
             strategy: the strategy being set up.
 
         """
-        if self.desync_detection:  # before the first process group: torch's recorder reads its size then
-            enable_collective_trace(TRACE_ENTRIES)
-        created = init_default_process_group(strategy, store=_elastic_attempt_store)
+        # torch's recorder reads its size when the first process group is made (the environment is restored after)
+        tracing = collective_trace_enabled(TRACE_ENTRIES) if self.desync_detection else contextlib.nullcontext(0)
+        with tracing:
+            created = init_default_process_group(strategy, store=_elastic_attempt_store)
         if created and strategy.process_group_backend != "nccl":  # Lightning registers this for NCCL itself
             # The default group outlives teardown (fit, then validate/test, reuse it, as in stock Lightning) and
             # is destroyed when the process exits.

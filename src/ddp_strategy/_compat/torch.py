@@ -17,12 +17,12 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = [
     "collective_status",
     "collective_trace",
+    "collective_trace_enabled",
     "ddp_bucket_parameters",
     "ddp_comm_hooks",
     "ddp_construction_buckets",
     "default_store",
     "detach_ddp_reducer",
-    "enable_collective_trace",
     "gloo_worker_threads",
     "new_lazy_gloo_group",
     "new_store_connection",
@@ -218,24 +218,33 @@ def _dump_trace(**options: bool) -> dict[str, Any]:
     return dict(pickle.loads(dump(**options)))
 
 
-def enable_collective_trace(entries: int) -> int:
-    """Make torch's Flight Recorder keep the last ``entries`` collectives; call before the first process group.
+@contextmanager
+def collective_trace_enabled(entries: int) -> Iterator[int]:
+    """Within the block, a process group created first makes torch's Flight Recorder keep ``entries`` collectives.
 
-    The recorder reads its size from the environment when the first process group is created. A size the user set
-    (``TORCH_FR_BUFFER_SIZE``, or NCCL's older ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is kept.
+    The recorder reads its size from the environment once, when the first process group is created, and keeps
+    recording the collectives of every group made later. So the variable is set for the block only (wrap the
+    creation of the default group in it), and the environment is as it was afterwards: child processes the user
+    starts later inherit nothing from the strategy. A size the user set (``TORCH_FR_BUFFER_SIZE``, or NCCL's older
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is kept.
 
-    Returns:
+    Yields:
         The size in effect (``0``: recording is off, or this torch has no Flight Recorder).
 
     """
     if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
-        return 0
+        yield 0
+        return
     for name in _TRACE_SIZE_ENV:
         value = os.environ.get(name)
         if value:
-            return int(value) if value.strip().isdigit() else 0
+            yield int(value) if value.strip().isdigit() else 0
+            return
     os.environ[_TRACE_SIZE_ENV[0]] = str(entries)
-    return entries
+    try:
+        yield entries
+    finally:
+        os.environ.pop(_TRACE_SIZE_ENV[0], None)
 
 
 def collective_status() -> dict[str, tuple[int, int]]:

@@ -22,6 +22,7 @@ from .errors import (
     UnevenEvaluationError,
     UnevenInputsError,
     UnsafeCheckpointError,
+    UnusedParametersError,
 )
 from .preemption import Preempted
 from .strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
@@ -43,6 +44,7 @@ __all__ = [
     "UnevenEvaluationError",
     "UnevenInputsError",
     "UnsafeCheckpointError",
+    "UnusedParametersError",
     "__version__",
 ]
 

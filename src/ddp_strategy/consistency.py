@@ -31,6 +31,7 @@ from .control import ControlPlane
 from .errors import RankDivergenceError
 from .fingerprint import fingerprint_tensors, named_tensors
 from .positions import format_ranks
+from .unused_parameters import missing_gradients_cause
 
 __all__ = [
     "LIKELY_CAUSES",
@@ -147,7 +148,9 @@ class Comparison:
         """This rank's fingerprints (computed where each tensor lives; two integers per tensor reach the host)."""
         return [fp.digest for fp in fingerprint_tensors(self.tensors)]
 
-    def error(self, control: ControlPlane, divergence: Divergence, outcome: str = "") -> RankDivergenceError:
+    def error(
+        self, control: ControlPlane, divergence: Divergence, outcome: str = "", cause: str = ""
+    ) -> RankDivergenceError:
         """The error naming the differing tensors, the ranks and the largest differences. Every rank must call it.
 
         Fetching the largest differences is a collective (one gather of the listed tensors, only on a mismatch),
@@ -157,6 +160,7 @@ class Comparison:
             control: the control plane.
             divergence: what :func:`compare` found.
             outcome: a sentence on what was done about it, e.g. that a checkpoint was not written.
+            cause: the cause found on this rank, said before the usual likely causes.
 
         """
         tail = f" {outcome}" if outcome else ""
@@ -177,7 +181,7 @@ class Comparison:
         more_text = f" and {more} more" if more > 0 else ""
         return RankDivergenceError(
             f"Model replicas diverged {self.when}: {listed}{more_text} differ on rank(s) "
-            f"{format_ranks(list(divergence.ranks))} from rank 0.{tail} {LIKELY_CAUSES}",
+            f"{format_ranks(list(divergence.ranks))} from rank 0.{tail} {cause + ' ' if cause else ''}{LIKELY_CAUSES}",
             tensors=[self.tensors[i][0] for i in divergence.indices],
             ranks=divergence.ranks,
         )
@@ -292,4 +296,4 @@ class WeightAgreement:
         if divergence is None:
             self.last_step = step
             return None
-        return comparison.error(control, divergence)
+        return comparison.error(control, divergence, cause=missing_gradients_cause(model))

@@ -7,7 +7,7 @@ on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "CheckpointIntegrityError",
@@ -22,6 +22,7 @@ __all__ = [
     "UnevenEvaluationError",
     "UnevenInputsError",
     "UnsafeCheckpointError",
+    "UnusedParametersError",
 ]
 
 
@@ -189,3 +190,22 @@ class CheckpointMismatchError(DDPStrategyError):
         self.path = path
         self.missing = tuple(missing)
         self.unexpected = tuple(unexpected)
+
+
+class UnusedParametersError(DDPStrategyError):
+    """Trainable parameters took no part in the loss while DDP expects a gradient for each one.
+
+    With DDP's default ``find_unused_parameters=False`` the gradients of such a parameter's bucket are never
+    averaged, and the next step fails inside DDP.
+
+    Attributes:
+        parameters: per rank, the names (module paths, e.g. ``"aux_head.weight"``) of the parameters without a
+            gradient.
+        step: the training step (``trainer.global_step`` when it happened), ``None`` when not known.
+
+    """
+
+    def __init__(self, message: str, *, parameters: Mapping[int, Sequence[str]], step: int | None) -> None:
+        super().__init__(message)
+        self.parameters = {rank: tuple(names) for rank, names in parameters.items()}
+        self.step = step

@@ -40,6 +40,7 @@ from .positions import call_site
 from .preemption import DEFAULT_PREEMPTION_SIGNALS, exit_code
 from .resume import ExactResume
 from .saving import CheckpointSaving
+from .unused_parameters import UnusedParameterCheck
 from .weight_checks import WeightChecks
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
@@ -131,6 +132,7 @@ class SafeDDPStrategy(DDPStrategy):
         self._saving = CheckpointSaving(self, options, self._lifecycle, self._weights, self.bucket_layout)
         self._resume = ExactResume(self, control, self.bucket_layout, self._saving.wait_before_reading)
         self._preemption = PreemptionHandling(options, control, self._saving.finish_async_writes)
+        self._unused = UnusedParameterCheck(control)
 
     # ------------------------------------------------------------------ attributes
     #: The control plane, available between ``setup_environment`` and ``teardown``.
@@ -177,7 +179,14 @@ class SafeDDPStrategy(DDPStrategy):
         super()._configure_launcher()
         signals = self.options.preemption_signals
         codes = frozenset(exit_code(sig) for sig in signals)
-        configure_launcher(self, codes, tuple(int(sig) for sig in signals), self._lifecycle.agreed_error_instead)
+        configure_launcher(self, codes, tuple(int(sig) for sig in signals), self._error_instead)
+
+    def _error_instead(self, error: BaseException) -> BaseException | None:
+        # DDP's error for a parameter without a gradient, named; or the desync error every rank agreed on
+        trainer = self._trainer_or_none()
+        step = trainer.global_step if trainer is not None else None
+        named = self._unused.error_instead(self.model, error, step=step)
+        return named if named is not None else self._lifecycle.agreed_error_instead(error)
 
     @override
     def setup_environment(self) -> None:
@@ -283,6 +292,13 @@ class SafeDDPStrategy(DDPStrategy):
     ) -> Any:
         self._lifecycle.raise_agreed_desync()
         return self._evaluation.run(hook, default, self, args, kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        trainer, module = self._trainer_or_none(), self.lightning_module
+        step = trainer.global_step + 1 if trainer is not None else None
+        self._unused.after_backward(self.model, automatic=module is None or module.automatic_optimization, step=step)
 
     @override
     def optimizer_step(

@@ -18,13 +18,10 @@ import sys
 import threading
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-
-import lightning.pytorch as pl
 
 import ddp_strategy  # noqa: F401  (registers "safe_ddp")
 

@@ -47,6 +47,7 @@ SHARED_MODULES = frozenset(
         "store",
         "store_barrier",
         "trainable",
+        "unused_parameters",
         "version",
     }
 )

@@ -52,19 +52,11 @@ class SafeDDPStrategy(DDPStrategy):
     It accepts every argument ``DDPStrategy`` accepts (extra keyword arguments go to
     :class:`torch.nn.parallel.DistributedDataParallel`), plus its own options, documented and validated by
     :class:`~ddp_strategy.options.StrategyOptions` (and readable as attributes, e.g. ``strategy.barrier_timeout``).
-    On top of DDP it
-
-    * builds a *control plane* (a gloo group and the rendezvous store) for its own messages, so its checks work
-      the same when the data plane is NCCL;
-    * runs a start-up *handshake* before the first training, validation, test or predict step: duplicate
-      devices, differing versions/world size/model structure, and differing weights raise named errors;
-    * makes :meth:`barrier` a *monitored, named* barrier that raises
-      :class:`~ddp_strategy.errors.CollectiveMismatchError` after ``barrier_timeout`` instead of hanging;
-    * follows changes of the set of trainable parameters after DDP was built (``BackboneFinetuning``, freezing or
-      unfreezing mid-run): the ranks agree on the new set and DDP's wrapper is rebuilt with the same options, so
-      the newly trainable parameters are all-reduced;
-    * compares the ranks' weights before every checkpoint save and at the end of every training epoch: ranks that
-      disagree raise :class:`~ddp_strategy.errors.RankDivergenceError` and the checkpoint is not written.
+    On top of DDP: a control plane of its own (a gloo group and the rendezvous store), a start-up handshake before
+    each stage, monitored named barriers (:class:`~ddp_strategy.errors.CollectiveMismatchError` instead of a hang),
+    desync detection, the trainable set followed (DDP rebuilt when ``requires_grad`` changes), weight agreement
+    before saves and at epoch ends (:class:`~ddp_strategy.errors.RankDivergenceError`), crash-safe checkpoints and
+    bit-exact resume, exact evaluation, and an agreed stop on preemption signals (docs/architecture.md).
 
     Use it as ``Trainer(strategy=SafeDDPStrategy(...))`` or, after ``import ddp_strategy``,
     ``Trainer(strategy="safe_ddp")`` (``"safe_ddp_spawn"`` for the spawn launcher).
@@ -163,13 +155,8 @@ class SafeDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``"safe_ddp"`` (subprocess launcher) and ``"safe_ddp_spawn"`` (spawn launcher)."""
         for name, start_method in (("safe_ddp", "popen"), ("safe_ddp_spawn", "spawn")):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"SafeDDPStrategy (checked DDP) with start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
+            description = f"SafeDDPStrategy (checked DDP) with start_method '{start_method}'"
+            strategy_registry.register(name, cls, description, override=True, start_method=start_method)
 
     @override
     def _configure_launcher(self) -> None:
@@ -183,9 +170,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     def _error_instead(self, error: BaseException) -> BaseException | None:
         # DDP's error for a parameter without a gradient, named; or the desync error every rank agreed on
-        trainer = self._trainer_or_none()
-        step = trainer.global_step if trainer is not None else None
-        named = self._unused.error_instead(self.model, error, step=step)
+        named = self._unused.error_instead(self.model, error, self._trainer_or_none())
         return named if named is not None else self._lifecycle.agreed_error_instead(error)
 
     @override
@@ -296,9 +281,7 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        trainer, module = self._trainer_or_none(), self.lightning_module
-        step = trainer.global_step + 1 if trainer is not None else None
-        self._unused.after_backward(self.model, automatic=module is None or module.automatic_optimization, step=step)
+        self._unused.after_backward(self.model, self.lightning_module, self._trainer_or_none())
 
     @override
     def optimizer_step(
@@ -313,12 +296,7 @@ class SafeDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        """Wait for every rank, at most ``barrier_timeout``, at a barrier ``name`` (see :meth:`ControlPlane.barrier`).
-
-        Raises:
-            CollectiveMismatchError: not every rank arrived in time, or ranks arrived at differently named barriers.
-
-        """
+        """A monitored barrier ``name`` (:meth:`ControlPlane.barrier`): ``CollectiveMismatchError``, never a hang."""
         control = self._lifecycle.control
         if control is None or not dist.is_initialized():
             super().barrier(name)
@@ -327,13 +305,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Reduce ``tensor`` over ranks, as ``DDPStrategy.reduce``, with two differences.
-
-        A mean of an integer tensor is returned in floating point: Lightning truncates it, in place, so that a
-        ``self.log(..., sync_dist=True)`` mean over uneven batch counts (say 5 and 4 samples) was wrong. And inside
-        an evaluation step whose ranks take different numbers of steps it raises
-        :class:`~ddp_strategy.errors.UnevenEvaluationError` instead of hanging.
-        """
+        """``DDPStrategy.reduce``: integer means exact, ``UnevenEvaluationError`` in an uneven evaluation step."""
         if isinstance(tensor, Tensor):
             what = "`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)"
             self._evaluation.check_collective(what, self.world_size)
@@ -354,13 +326,7 @@ class SafeDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None = None
     ) -> None:
-        """Collective save: every rank's RNG state and weights' fingerprints go to the writers (see ``saving``).
-
-        Raises:
-            CheckpointWriteError: on every rank when the write failed; the previous checkpoint is intact.
-            RankDivergenceError: on every rank when the ranks' weights differ; nothing was written.
-
-        """
+        """Collective save (:meth:`CheckpointSaving.save`); on failure every rank raises, the old file intact."""
         self._saving.save(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
@@ -378,8 +344,7 @@ class SafeDDPStrategy(DDPStrategy):
         try:
             super().load_model_state_dict(checkpoint, strict=strict)
         except RuntimeError as err:  # torch's strict-loading error: list the keys and say what to do
-            if strict:
-                self._resume.explain_model_keys(err, checkpoint, self.lightning_module)
+            self._resume.explain_model_keys(err, checkpoint, self.lightning_module if strict else None)
             raise
 
     @override

@@ -134,10 +134,15 @@ class UnusedParameterCheck:
             and not getattr(model, "static_graph", False)
         )
 
-    def after_backward(self, model: object, *, automatic: bool, step: int | None) -> None:
+    def after_backward(self, model: object, module: Any, trainer: Any) -> None:
         """After a backward: the first one of each wrapper gathers every rank's parameters without a gradient.
 
         Collective (every rank of a DDP run reaches its first backward), once per wrapper; a comparison after.
+
+        Args:
+            model: the strategy's model (the DDP wrapper).
+            module: the LightningModule (``None`` when not connected).
+            trainer: the Trainer (``None`` when not attached), for the step number.
 
         Raises:
             UnusedParametersError: on every rank, when any rank has such parameters.
@@ -147,6 +152,8 @@ class UnusedParameterCheck:
             return
         self._checked = model
         control = self._control()
+        automatic = module is None or bool(module.automatic_optimization)
+        step = trainer.global_step + 1 if trainer is not None else None  # the step whose backward this was
         if not automatic or control is None or not self.applies(model):
             return  # manual optimization may leave parameters for a second backward; DDP's error is translated
         assert isinstance(model, DistributedDataParallel)
@@ -158,8 +165,16 @@ class UnusedParameterCheck:
             message = unused_parameters_message(per_rank, world_size=len(gathered), step=step, when=when)
             raise UnusedParametersError(message, parameters=per_rank, step=step)
 
-    def error_instead(self, model: object, error: BaseException, *, step: int | None) -> BaseException | None:
-        """For DDP's "Expected to have finished reduction" error: the named error for this rank, else ``None``."""
+    def error_instead(self, model: object, error: BaseException, trainer: Any) -> BaseException | None:
+        """For DDP's "Expected to have finished reduction" error: the named error for this rank, else ``None``.
+
+        Args:
+            model: the strategy's model (the DDP wrapper).
+            error: the error the run raised.
+            trainer: the Trainer (``None`` when not attached); its last completed step lacked the gradients.
+
+        """
+        step = trainer.global_step if trainer is not None else None
         text = str(error)
         if isinstance(error, DDPStrategyError) or DDP_UNFINISHED_REDUCTION not in text:
             return None

@@ -7,6 +7,7 @@ Faults are injected with ``ddp_strategy.testing`` (the ``--fault`` flag of tests
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -194,3 +195,31 @@ def test_read_only_checkpoint_directory_fails_on_every_rank_and_keeps_checkpoint
     assert "[rank1]: ddp_strategy.errors.CheckpointWriteError: Rank 0 failed to write checkpoint" in run.output
     assert file_digests(ckpt) == before
     assert verify(str(ckpt / "last.ckpt")).global_step == 4  # type: ignore[union-attr]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_failure_every_rank_hits_by_itself_is_reported_as_such():
+    """Every rank's training_step raises the same ValueError at step 2 (a data guard every batch fails). Stock: each
+    rank prints its own traceback and nothing relates them. SafeDDPStrategy: no rank says "the first failure was on
+    another rank"; a rank whose diagnosis finds the other failed says every rank failed with this same error by
+    itself (issue 29, point 3). Whether a rank finds the other's failure published is timing: when neither does,
+    no diagnosis is printed (the message itself: tests/test_peers.py)."""
+    runs = {
+        s: run_script([str(SCRIPTS / "same_failure.py"), "--strategy", s], timeout=150) for s in ("ddp", "safe_ddp")
+    }
+    for strategy, run in runs.items():
+        assert run.returncode == 1 and not run.timed_out and not run.orphans, (strategy, run.describe())
+        for rank in (0, 1):
+            assert f"[rank{rank}]: ValueError: labels out of range in this batch" in run.output, (strategy, rank)
+    assert "failed with this same error" not in runs["ddp"].output
+    safe = runs["safe_ddp"].output
+    assert "first failure was on another rank" not in safe
+    said = re.findall(
+        r"^ddp_strategy: rank (\d) stops after ValueError: labels out of range in this batch\. (.*)$", safe, re.M
+    )
+    for _, text in said:
+        assert text == (
+            "Every rank failed with this same error (this rank at step 2): each rank hit it by itself, so it is no "
+            "consequence of another rank's failure; the cause is in this error."
+        )

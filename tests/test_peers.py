@@ -91,6 +91,32 @@ def test_a_peer_that_published_a_failure_is_named_at_once(planes, caplog):
     assert errors_logged(caplog) == [diagnosis.message]
 
 
+def test_peers_that_failed_with_the_same_error_are_not_called_the_first_failure(planes, caplog):
+    """Every rank hit the same error by itself (a data guard every batch fails): said so, on no rank "the first
+    failure was on another rank" (issue 29, point 3); a peer with another error is still named as the first."""
+    store = dist.HashStore()
+    rank0, rank1, rank2 = (plane(planes, store, r, 3) for r in range(3))
+    rank0.note_step(2, batch=3, epoch=0, epoch_batch=3)
+    for peer in (rank1, rank2):
+        peer.note_failure(ValueError("labels out of range"))
+    diagnosis = diagnose_failed_peers(rank0, ValueError("labels out of range"))
+    assert isinstance(diagnosis, PeerDiagnosis) and diagnosis.failed == (1, 2)
+    assert diagnosis.message == (
+        "ddp_strategy: rank 0 stops after ValueError: labels out of range. Every rank failed with this same error "
+        "(this rank at step 2): each rank hit it by itself, so it is no consequence of another rank's failure; the "
+        "cause is in this error."
+    )
+    some = PeerDiagnosis(0, "ValueError: x", failed=(2,), positions={2: rank2.position}, world_size=3)
+    assert "The first failure was on another rank: rank 2 failed with ValueError: labels" in some.message  # differs
+    alike = PeerDiagnosis(
+        0, "ValueError: labels out of range", failed=(2,), positions={2: rank2.position}, world_size=3
+    )
+    assert alike.message.endswith(
+        "Rank(s) 2 failed with this same error too: each rank hit it by itself, so it is no consequence of another "
+        "rank's failure; the cause is in this error."
+    )
+
+
 def test_peers_whose_heartbeat_stops_are_named_gone_after_the_wait(planes, caplog):
     store = dist.HashStore()
     rank0 = plane(planes, store, 0, 4)

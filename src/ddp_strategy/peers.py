@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .control import ControlPlane
 from .errors import DDPStrategyError
@@ -42,6 +42,8 @@ class PeerDiagnosis:
         positions: every rank's position at the last read of the store (empty when it is unreachable).
         seen_at: when that read was (``time.time()``), for the ages in :attr:`message`.
         store_error: why the rendezvous store could not be read (its host, rank 0, is gone).
+        world_size: the number of ranks (``0``: not known).
+        step: this rank's training step when it stopped (``None``: not training).
 
     """
 
@@ -52,6 +54,8 @@ class PeerDiagnosis:
     positions: Mapping[int, Position | None] = field(default_factory=dict, hash=False)
     seen_at: float = 0.0
     store_error: str | None = None
+    world_size: int = 0
+    step: int | None = None
 
     @property
     def message(self) -> str:
@@ -62,6 +66,18 @@ class PeerDiagnosis:
                 f"{head}, and the rendezvous store is unreachable ({self.store_error}): rank 0 (or, under torchrun, "
                 "node 0's agent), which hosts it, has most likely died or exited. Look at its output (or its exit "
                 "signal) for the cause."
+            )
+        if self.failed and all(self._failed_alike(r) for r in self.failed):
+            everyone = len(self.failed) + 1 == self.world_size
+            others = (
+                "Every rank failed with this same error"
+                if everyone
+                else (f"Rank(s) {format_ranks(self.failed)} failed with this same error too")
+            )
+            at = f" (this rank at step {self.step})" if self.step is not None else ""
+            return (
+                f"{head}. {others}{at}: each rank hit it by itself, so it is no consequence of another rank's "
+                "failure; the cause is in this error."
             )
         if self.failed:
             names = "; ".join(f"rank {r} {self._last_seen(r)}" for r in self.failed)
@@ -76,6 +92,11 @@ class PeerDiagnosis:
         if len(self.gone) > _MAX_LISTED:
             lines.append(f"  ... and {len(self.gone) - _MAX_LISTED} more")
         return "\n".join(lines)
+
+    def _failed_alike(self, rank: int) -> bool:
+        """Whether ``rank`` published a failure with this rank's own error text (type and first line)."""
+        position = self.positions.get(rank)
+        return position is not None and position.kind == "failed" and position.name[: len(self.cause)] == self.cause
 
     def _last_seen(self, rank: int) -> str:
         position = self.positions.get(rank)
@@ -123,6 +144,8 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
         if control.world_size < 2 or isinstance(exception, (DDPStrategyError, Preempted))
         else _diagnose(control, exception)
     )
+    if diagnosis is not None:
+        diagnosis = replace(diagnosis, world_size=control.world_size, step=control.step)
     control.failure_diagnosis = (exception, diagnosis)
     if diagnosis is not None:
         log.error(diagnosis.message)

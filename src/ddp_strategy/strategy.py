@@ -281,7 +281,8 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        self._unused.after_backward(self.model, self.lightning_module, self._trainer_or_none())
+        if self.model is not self._unused.checked:  # the first backward of each DDP wrapper; else nothing to do
+            self._unused.after_backward(self.model, self.lightning_module, self._trainer_or_none())
 
     @override
     def optimizer_step(

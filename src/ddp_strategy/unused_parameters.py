@@ -123,7 +123,8 @@ class UnusedParameterCheck:
 
     def __init__(self, control: Callable[[], ControlPlane | None]) -> None:
         self._control = control
-        self._checked: object | None = None  # the DDP wrapper whose first backward was looked at
+        #: The DDP wrapper whose first backward was looked at (compare before calling :meth:`after_backward`).
+        self.checked: object | None = None
 
     @staticmethod
     def applies(model: object) -> bool:
@@ -148,9 +149,9 @@ class UnusedParameterCheck:
             UnusedParametersError: on every rank, when any rank has such parameters.
 
         """
-        if model is self._checked:
+        if model is self.checked:
             return
-        self._checked = model
+        self.checked = model
         control = self._control()
         automatic = module is None or bool(module.automatic_optimization)
         step = trainer.global_step + 1 if trainer is not None else None  # the step whose backward this was

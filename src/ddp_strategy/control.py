@@ -101,6 +101,9 @@ class ControlPlane:
     All ranks must call :meth:`barrier` and :meth:`all_gather_object` in the same order, as with any
     collective; the difference is that a rank that does not is named in an error instead of causing a hang.
 
+    The methods that read the store (``read_position``, ``read_positions``, ...) take an optional ``store``: the
+    connection to read through, :attr:`store` by default; a background thread passes its own (see :meth:`connect`).
+
     Args:
         rank: this process's global rank.
         world_size: the number of ranks.
@@ -113,8 +116,6 @@ class ControlPlane:
         store_factory: opens a new connection to the namespaced store, for other background threads (see
             :meth:`connect`); without it :meth:`connect` returns ``store``.
 
-    The methods that read the store (``read_position``, ``read_positions``, ...) take an optional ``store``: the
-    connection to read through, :attr:`store` by default; a background thread passes its own (see :meth:`connect`).
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class ControlPlane:
         self._store_factory = store_factory
         #: the desync every rank agreed on (see :mod:`ddp_strategy.desync`); a waiting barrier raises it at once
         self.desync_error: CollectiveMismatchError | None = None
-        #: this rank's position, published with every heartbeat; its publisher and beat-hook threads
+        #: this rank's :class:`Heartbeat`: its published position, and the threads that publish it and run beat hooks
         self.heartbeat = Heartbeat(
             rank=rank,
             world_size=world_size,

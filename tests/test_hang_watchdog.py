@@ -25,10 +25,16 @@ pytestmark = pytest.mark.serial  # timeouts of seconds, and no report for a mere
 
 TORCH = os.sep + os.path.join("venv", "lib", "torch")
 CONTROL = os.path.join(os.path.dirname(os.path.dirname(hw.__file__)), "control.py")
+BARRIER_WAIT = os.path.join(os.path.dirname(CONTROL), "barrier_wait.py")
 
 
 def test_locate_names_a_control_plane_barrier_from_the_position():
-    stack = [(CONTROL, 300, "_await_outcome"), (CONTROL, 250, "barrier"), ("/home/u/train.py", 12, "training_step")]
+    stack = [
+        (BARRIER_WAIT, 150, "await_outcome"),
+        (BARRIER_WAIT, 110, "run"),
+        (CONTROL, 250, "barrier"),
+        ("/home/u/train.py", 12, "training_step"),
+    ]
     position = Position(kind="barrier", name="save", site="train.py:12 in training_step")
     assert hw.locate(stack, position) == ("waiting", "barrier 'save' at train.py:12 in training_step")
 

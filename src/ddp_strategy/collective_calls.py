@@ -1,10 +1,10 @@
 """``CollectiveCalls``: the strategy's own collectives (``reduce``, ``all_gather``, ``broadcast``) for desync detection.
 
 While a :class:`~ddp_strategy.desync.DesyncMonitor` watches the run, each call first raises the desync the ranks
-agreed on (if any), adds what it is to the monitor's :class:`~ddp_strategy.desync.CallLedger` (compared across
-ranks), and runs inside a :class:`~ddp_strategy.desync.CallNotes` note that names its origin (the
-``self.log(..., sync_dist=True)`` line, found through :class:`~ddp_strategy.desync.LogSites`). Without a monitor a
-call goes straight to Lightning's.
+agreed on (if any), adds what it is to the monitor's :class:`~ddp_strategy.collective_record.CallLedger` (compared
+across ranks), and runs inside a :class:`~ddp_strategy.collective_record.CallNotes` note that names its origin (the
+``self.log(..., sync_dist=True)`` line, found through :class:`~ddp_strategy.collective_record.LogSites`). Without a
+monitor a call goes straight to Lightning's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 
 from ._compat.lightning import logged_metric_of_caller
-from .desync import CallNotes, DesyncMonitor, LogSites, check_gather_shapes
+from .collective_record import CallNotes, LogSites
+from .desync import DesyncMonitor
+from .gather_shapes import check_gather_shapes
 from .positions import call_site
 
 __all__ = ["CollectiveCalls", "mean_in_floating_point"]

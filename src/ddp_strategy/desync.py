@@ -24,29 +24,48 @@ A rank whose training thread waits in a control-plane barrier raises the error t
 backend collective cannot be interrupted from Python; the lowest such rank prints the error and exits
 (``os._exit``), which closes its connections, so that the collectives of the others return with a backend error,
 which the strategy's launcher replaces by the agreed error (see ``SafeDDPStrategy``).
+
+The calls themselves and their digests are in :mod:`ddp_strategy.collective_record`, the verdict computed from the
+reports in :mod:`ddp_strategy.desync_verdict`, and the shape check before ``all_gather`` in
+:mod:`ddp_strategy.gather_shapes`; this module re-exports their public names.
 """
 
 from __future__ import annotations
 
-import array
-import functools
 import json
 import logging
 import os
 import sys
 import threading
 import time
-import zlib
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._compat.lightning import current_hook_name
 from ._compat.torch import collective_status, collective_trace
+from .collective_record import (
+    AUDIT_INTERVAL,
+    REPORT_CALLS,
+    TRACE_ENTRIES,
+    CallAudit,
+    CallLedger,
+    CallNotes,
+    CollectiveCall,
+    LogSites,
+    calls_from_trace,
+)
 from .control import ControlPlane, Store
-from .errors import CollectiveMismatchError, UnevenInputsError
-from .positions import call_site, format_ranks, is_user_path, short_path
+from .desync_verdict import (
+    INCOMPLETE,
+    NO_VERDICT,
+    RankReport,
+    collective_wait,
+    find_divergence,
+    stale_waits,
+    verdict_from_json,
+    verdict_to_json,
+)
+from .errors import CollectiveMismatchError
+from .gather_shapes import check_gather_shapes
 
 __all__ = [
     "AUDIT_INTERVAL",
@@ -70,12 +89,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds a rank must wait, unchanged, in one collective or barrier before it counts as stuck.
 STUCK_AFTER = 2.0
-#: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``.
-TRACE_ENTRIES = 256
-#: Collectives per process group a rank puts in its report (the newest).
-REPORT_CALLS = TRACE_ENTRIES
-#: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.
-AUDIT_INTERVAL = 5.0
 _INQUIRY_KEY = "desync/inquiry"  # the number of the newest inquiry (opened with compare_set: one opener wins)
 _STUCK_KEY = "desync/stuck"  # how many ranks are stuck right now (each adds 1 when it gets stuck, -1 when it runs)
 _RANK0_STOPPING_KEY = "desync/rank0-stopping"  # rank 0 has printed the agreed error (it may exit any moment now)
@@ -85,596 +98,11 @@ _VERDICT_KEY = "desync/verdict/{inquiry}"  # the decision, written once (compare
 _READ_KEY = "desync/read/{inquiry}"  # how many ranks have read the verdict; the last deletes it
 _HOLDING_KEY = "desync/holding"  # how many ranks hold the agreed error (rank 0 hosts the store: it waits for W)
 _AUDIT_KEY = "desync/audit/{rank}"
-_NO_VERDICT, _INCOMPLETE = "none", "incomplete"
 _REPORTS_PER_READ = 16  # reports of about 150 KB: one batched read of 16 is a few MB
 _VERDICT_WAIT = 6.0  # seconds rank 0, before it exits, waits for the others to hold the verdict (the store is its)
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
 _BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
 _EXIT_CODE = 1
-_DEFAULT_GROUP = "0"
-_GROUP_NAMES = {"0": "the default process group", "1": "the strategy's control group"}
-_FIX = (
-    "Every rank must make the same collective calls in the same order. A collective inside a rank-dependent branch "
-    "is the usual cause: `self.log(..., sync_dist=True)`, `self.all_gather`, `strategy.broadcast`, `strategy.barrier`, "
-    "`torch.distributed` calls or a torchmetrics `compute()` under `if self.trainer.is_global_zero:` (or another "
-    "rank test), or a metric logged under a name only some ranks log. Move the call out of the branch; to log from "
-    "one rank only, use `self.log(..., rank_zero_only=True)` without `sync_dist`."
-)
-
-
-@dataclass(frozen=True)
-class CollectiveCall:
-    """One collective call of one rank, as the Flight Recorder saw it.
-
-    Attributes:
-        group: the process group's id (``"0"``: the default group, ``"1"``: the strategy's control group).
-        seq: the call's number on that group (1 for the first); the n-th calls of every rank are paired.
-        op: the operation, e.g. ``"all_reduce"``.
-        shapes: the input tensors' shapes.
-        dtypes: the input tensors' dtypes (torch's names: ``"Float"``, ``"Long"``).
-        site: the innermost frame of user code that led to the call, ``"model.py:34 in on_train_epoch_end"``.
-        what: what made the call, where known: ``"self.log('x', sync_dist=True)"``, ``"DDP's gradient
-            all-reduce (backward)"``, a Lightning or torchmetrics function.
-        done: whether it completed on this rank.
-        created: when the rank entered it (``time.time()``).
-
-    """
-
-    group: str
-    seq: int
-    op: str
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    site: str = ""
-    what: str = ""
-    done: bool = True
-    created: float = 0.0
-
-    def key(self) -> tuple[Any, ...]:
-        """What must be equal on every rank for the calls to be the same collective."""
-        return (self.op, self.shapes, self.dtypes, self.site, self.what)
-
-    def describe(self) -> str:
-        """``all_reduce of Float[] from self.log('x', sync_dist=True) at model.py:34 in on_train_epoch_end``."""
-        tensors = ", ".join(f"{d}{list(s)}" for d, s in zip(self.dtypes, self.shapes, strict=False)) or "no tensor"
-        text = f"{self.op} of {tensors}"
-        if self.what:
-            text += f" from {self.what}"
-        if self.site:
-            text += f" at {self.site}"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CollectiveCall:
-        """Inverse of :meth:`to_dict`."""
-        values = dict(data)
-        values["shapes"] = tuple(tuple(int(n) for n in shape) for shape in values["shapes"])
-        values["dtypes"] = tuple(values["dtypes"])
-        return cls(**values)
-
-
-class CallNotes:
-    """What made recent collectives, noted by the strategy around its own collectives (``self.log`` syncs).
-
-    The strategy calls :meth:`begin` before a collective it runs and :meth:`end` after it; a Flight Recorder entry
-    created in between (``time.time_ns()``) gets the note's text as its :attr:`CollectiveCall.what`. A collective
-    that never returns keeps an open note. Bounded; no I/O.
-    """
-
-    def __init__(self, size: int = 512) -> None:
-        self._notes: deque[list[Any]] = deque(maxlen=size)
-
-    def begin(self, text: str) -> list[Any]:
-        """Open a note for the collectives that follow; pass the result to :meth:`end`."""
-        note = [time.time_ns(), None, text]
-        self._notes.append(note)
-        return note
-
-    @staticmethod
-    def end(note: list[Any]) -> None:
-        """Close ``note``: later collectives are not part of it."""
-        note[1] = time.time_ns()
-
-    def lookup(self, created_ns: int) -> str:
-        """The text of the note whose interval holds ``created_ns``, else ``""``."""
-        for start, end, text in reversed(list(self._notes)):
-            if start <= created_ns and (end is None or created_ns <= end):
-                return str(text)
-            if end is not None and end < created_ns:
-                break
-        return ""
-
-
-class CallLedger:
-    """A running count and CRC-32 digest of the strategy's own collectives, for a cheap comparison across ranks.
-
-    The backend pairs the n-th calls of the ranks whatever they are: two ranks that log different names with
-    ``sync_dist=True`` (Lightning #19106) never wait, and mix their values silently. Each call adds what it was
-    (``reduce on_train_epoch_end.x Float[]``) to the digest (one ``zlib.crc32`` of a short string, no I/O); the
-    heartbeat publishes ``(count, digest)``, and each rank compares a peer's with its own digest at the same count.
-    """
-
-    def __init__(self, keep: int = 4096, texts: int = REPORT_CALLS) -> None:
-        #: ``(count, digest)``, replaced as one tuple so that another thread never reads a torn pair
-        self.state: tuple[int, int] = (0, 0)
-        self._history: dict[int, int] = {}
-        self._keep = keep
-        self.texts: deque[tuple[int, str]] = deque(maxlen=texts)
-
-    def add(self, what: str) -> None:
-        """Record one collective."""
-        count, digest = self.state
-        count, digest = count + 1, zlib.crc32(what.encode(), digest)
-        self._history[count] = digest
-        self._history.pop(count - self._keep, None)
-        self.texts.append((count, what))
-        self.state = (count, digest)
-
-    def digest_at(self, count: int) -> int | None:
-        """The digest after ``count`` calls, if still kept (``0`` for none)."""
-        return 0 if count == 0 else self._history.get(count)
-
-
-class LogSites:
-    """Where the module called ``self.log(..., sync_dist=True)``, per hook and name, for the collectives they make.
-
-    Lightning syncs a value logged in an epoch-end hook later, from its own code, so the user's line is no longer
-    on the stack when the collective runs. :meth:`install` wraps the module's ``log`` (an instance attribute,
-    removed by :meth:`uninstall`) to record the line the first time each ``(hook, name)`` is logged with
-    ``sync_dist=True``.
-    """
-
-    def __init__(self) -> None:
-        self.sites: dict[tuple[str, str], str] = {}
-        self._module: Any = None
-
-    def install(self, module: Any) -> None:
-        """Start recording the ``self.log(..., sync_dist=True)`` lines of ``module``."""
-        self.uninstall()
-        original = module.log
-        sites = self.sites
-
-        def log_recording_site(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("sync_dist"):
-                key = (current_hook_name(module), name)
-                if key not in sites:
-                    sites[key] = call_site(skip=2)
-            return original(name, value, *args, **kwargs)
-
-        module.log = log_recording_site
-        self._module = module
-
-    def uninstall(self) -> None:
-        """Give the module its own ``log`` back."""
-        if self._module is not None:
-            self._module.__dict__.pop("log", None)
-            self._module = None
-
-    def describe(self, fx: str, name: str) -> str:
-        """``self.log('x', sync_dist=True) in on_train_epoch_end at model.py:34 in on_train_epoch_end``."""
-        text = f"self.log({name!r}, sync_dist=True) in {fx}"
-        site = self.sites.get((fx, name))
-        return f"{text} (called at {site})" if site else text
-
-
-class CallAudit:
-    """Per-call digests of one rank's recorded collectives, for the ranks to compare while they run.
-
-    gloo pairs the n-th calls of the ranks on a group whatever they are: two ranks that all-reduce different
-    tensors of one shape at different lines (a rank-dependent branch with a collective on each side) never wait,
-    and mix their values silently. Every :data:`AUDIT_INTERVAL` seconds the heartbeat thread adds the recorder's new
-    calls (:meth:`add`: a CRC-32 of each call's op, shapes, dtypes, user call site and what made it), publishes the
-    newest digests of each group (:meth:`publication`, a few kilobytes) and compares the next rank's publication
-    with its own (:meth:`first_difference`); the strategy compares every rank's once more at each stage's end.
-    A difference opens an inquiry, whose verdict names both calls.
-    """
-
-    def __init__(self, keep: int = 4 * TRACE_ENTRIES) -> None:
-        self._digests: dict[str, dict[int, int]] = {}
-        self._keep = keep
-        #: per group, the newest sequence number added
-        self.newest: dict[str, int] = {}
-
-    def add(self, calls: Sequence[CollectiveCall]) -> None:
-        """Add the calls newer than those added before (recorder order: oldest first)."""
-        for call in calls:
-            if call.seq <= self.newest.get(call.group, 0):
-                continue
-            digests = self._digests.setdefault(call.group, {})
-            digests[call.seq] = zlib.crc32(repr(call.key()).encode()) or 1  # 0 means "not known"
-            digests.pop(call.seq - self._keep, None)
-            self.newest[call.group] = call.seq
-
-    def publication(self, most: int = TRACE_ENTRIES) -> dict[str, list[Any]]:
-        """Per group ``[first seq, digests as hex]``: the newest ``most`` calls (an unknown call's digest is 0)."""
-        published: dict[str, list[Any]] = {}
-        for group, digests in self._digests.items():
-            last = self.newest[group]
-            first = max(min(digests), last - most + 1)
-            values = array.array("I", (digests.get(seq, 0) for seq in range(first, last + 1)))
-            published[group] = [first, values.tobytes().hex()]
-        return published
-
-    def first_difference(self, other: Mapping[str, Sequence[Any]]) -> tuple[str, int] | None:
-        """The first ``(group, seq)`` whose digest differs between this rank's calls and ``other``'s publication."""
-        return first_published_difference([self.publication(), other])
-
-
-def _published_digests(publication: Mapping[str, Sequence[Any]], group: str) -> dict[int, int]:
-    if group not in publication:
-        return {}
-    first, data = publication[group]
-    values = array.array("I")
-    values.frombytes(bytes.fromhex(str(data)))
-    return {int(first) + i: value for i, value in enumerate(values) if value}
-
-
-def first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]]]) -> tuple[str, int] | None:
-    """The first ``(group, seq)`` (lowest group id, then seq) to which ranks' publications give different digests.
-
-    Args:
-        publications: every rank's :meth:`CallAudit.publication`; a call only some ranks published is not compared.
-
-    """
-    groups = sorted({group for publication in publications for group in publication})
-    for group in groups:
-        tables = [_published_digests(publication, group) for publication in publications]
-        for seq in sorted(set().union(*tables)):
-            values = {table[seq] for table in tables if seq in table}
-            if len(values) > 1:
-                return group, seq
-    return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _user_file(path: str) -> bool:
-    return is_user_path(path)
-
-
-@functools.lru_cache(maxsize=4096)
-def _site_text(path: str, line: int, name: str) -> str:
-    return f"{short_path(path)}:{line} in {name}"
-
-
-@functools.lru_cache(maxsize=1024)
-def _what(inner: tuple[tuple[str, str], ...]) -> str:
-    """What made a call, from the ``(file, function)`` of its frames inside the innermost user frame (innermost first).
-
-    Only those frames count: a library the user's code called made the call; the library that called the user's
-    code (Lightning calling a hook) did not. For the calls the strategy did not note.
-    """
-    names = [(path.replace(os.sep, "/"), name) for path, name in inner]
-    for path, name in names:
-        if name == "_engine_run_backward" or path.endswith("torch/autograd/graph.py"):
-            return "DDP's gradient all-reduce (backward)"
-        if name in ("_sync_buffers", "_sync_module_buffers") and path.endswith("torch/nn/parallel/distributed.py"):
-            return "DDP's buffer broadcast (forward)"
-        if name in ("_verify_param_shape_across_processes", "_sync_module_states"):
-            return "DDP's wrapper construction"
-        if path.endswith("ddp_strategy/object_collectives.py"):
-            return "ddp_strategy's control plane"
-    for path, name in names:
-        if "/torchmetrics/" in path:
-            return f"torchmetrics {name}"
-        if "/lightning/" in path or "/pytorch_lightning/" in path or "/lightning_fabric/" in path:
-            return f"Lightning's {name} ({short_path(path)})"
-    return ""
-
-
-def _site_and_what(frames: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """The innermost user frame of a stack (innermost first) as ``file:line in function``, and what made the call.
-
-    Called for every recorded collective an audit reads: the per-file and per-path answers are cached.
-    """
-    inner: list[tuple[str, str]] = []
-    for frame in frames:
-        path = str(frame.get("filename") or "")
-        if _user_file(path):
-            site = _site_text(path, int(frame.get("line") or 0), str(frame.get("name") or "?"))
-            return site, _what(tuple(inner))
-        inner.append((path, str(frame.get("name") or "")))
-    return "", _what(tuple(inner))
-
-
-def calls_from_trace(entries: Sequence[Mapping[str, Any]], notes: CallNotes | None = None) -> list[CollectiveCall]:
-    """The Flight Recorder's entries (:func:`~ddp_strategy._compat.torch.collective_trace`) as calls, oldest first."""
-    calls = []
-    for entry in entries:
-        if entry.get("is_p2p"):
-            continue
-        site, what_frames = _site_and_what(entry.get("frames") or ())
-        created_ns = int(entry.get("time_created_ns") or 0)
-        what = notes.lookup(created_ns) if notes is not None else ""
-        op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
-        calls.append(
-            CollectiveCall(
-                group=str(entry.get("pg_id", "?")),
-                seq=int(entry.get("collective_seq_id", 0)),
-                op=op,
-                shapes=tuple(tuple(int(n) for n in shape) for shape in entry.get("input_sizes") or ()),
-                dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
-                site=site,
-                what=what or what_frames,
-                done=bool(entry.get("retired")),
-                created=created_ns / 1e9,
-            )
-        )
-    return calls
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank publishes for an inquiry.
-
-    Attributes:
-        rank: the rank.
-        calls: its newest collective calls, per group at most :data:`REPORT_CALLS`, oldest first.
-        waiting: what its training thread waits in (see :attr:`~ddp_strategy.positions.Position.waiting`).
-        waiting_since: since when.
-        epoch: the training epoch of its last training batch (``None`` outside training).
-        epoch_batch: the batches of that epoch it started.
-        barrier_site: the call site of the barrier it waits in, if any.
-        step: the optimizer step of its last training batch (``None`` outside training).
-        ledger: its newest strategy collectives as ``(count, what)`` (see :class:`CallLedger`).
-
-    """
-
-    rank: int
-    calls: tuple[CollectiveCall, ...]
-    waiting: str
-    waiting_since: float
-    epoch: int | None = None
-    epoch_batch: int | None = None
-    barrier_site: str = ""
-    step: int | None = None
-    ledger: tuple[tuple[int, str], ...] = ()
-
-    def to_json(self) -> str:
-        """Serialise for the rendezvous store."""
-        data = asdict(self)
-        data["calls"] = [c.to_dict() for c in self.calls]
-        return json.dumps(data)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> RankReport:
-        """Inverse of :meth:`to_json`."""
-        data = json.loads(text)
-        data["calls"] = tuple(CollectiveCall.from_dict(c) for c in data["calls"])
-        data["ledger"] = tuple((int(n), str(w)) for n, w in data.get("ledger", ()))
-        return cls(**data)
-
-    def pending(self) -> CollectiveCall | None:
-        """The collective it waits in, when that is one (not a barrier)."""
-        wait = collective_wait(self.waiting)
-        return None if wait is None else next((c for c in self.calls if (c.group, c.seq) == wait), None)
-
-    def describe_wait(self) -> str:
-        """Where it waits, in words."""
-        call = self.pending()
-        if call is not None:
-            return f"waits in collective #{call.seq} of {_group_name(call.group)}: {call.describe()}"
-        if self.waiting.startswith("collective "):
-            group, _, seq = self.waiting.split(" ", 1)[1].partition("#")
-            return f"waits in collective #{seq} of {_group_name(group)}"
-        if self.waiting.startswith("barrier "):
-            name = self.waiting.split(" ", 2)[2]
-            return f"waits in the strategy's barrier {name}" + (f" at {self.barrier_site}" if self.barrier_site else "")
-        return "runs (it waits in no collective)"
-
-    def describe_now(self) -> str:
-        """Where it waits, and its training progress."""
-        progress = self.describe_progress()
-        return self.describe_wait() + (f" ({progress})" if progress else "")
-
-    def describe_progress(self) -> str:
-        """``training step 5, epoch 0, 6 batch(es) started`` (empty outside training)."""
-        if self.epoch is None:
-            return ""
-        return f"training step {self.step}, epoch {self.epoch}, {self.epoch_batch} batch(es) started"
-
-    def barrier_name(self) -> str:
-        """The name of the strategy's barrier it waits in (``""``: none)."""
-        if not self.waiting.startswith("barrier "):
-            return ""
-        return self.waiting.split(" ", 2)[2].strip("'")
-
-
-def _group_name(group: str) -> str:
-    return _GROUP_NAMES.get(group, f"process group {group}")
-
-
-def collective_wait(waiting: str) -> tuple[str, int] | None:
-    """``(group, seq)`` of a wait ``"collective <group>#<seq>"``; ``None`` for a barrier or no wait."""
-    if not waiting.startswith("collective "):
-        return None
-    group, _, seq = waiting.split(" ", 1)[1].partition("#")
-    return (group, int(seq)) if seq.isdigit() else None
-
-
-def stale_waits(waits: Mapping[int, str], done: Mapping[int, set[tuple[str, int]]] | None = None) -> set[int]:
-    """The ranks whose pending collective another rank is past: they are not blocked in it.
-
-    A backend completes the n-th collective of a group on a rank only once every rank has entered its n-th call, so
-    a rank pending in call #n of a group while another rank waits in a later call of that group (or has completed
-    #n) has its part of #n done: its entry is an asynchronous call not yet waited for, or about to be marked done,
-    and the rank itself runs (rank 0 writing a large checkpoint with ``torch.save`` while another rank waits in the
-    next collective is slow, not diverged).
-
-    Args:
-        waits: each rank's wait (see :attr:`~ddp_strategy.positions.Position.waiting`).
-        done: per rank, the ``(group, seq)`` of the collectives it completed, where known.
-
-    """
-    pending = {rank: w for rank, wait in waits.items() if (w := collective_wait(wait)) is not None}
-    stale = set()
-    for rank, (group, seq) in pending.items():
-        later = any(g == group and s > seq for other, (g, s) in pending.items() if other != rank)
-        completed = done is not None and any((group, seq) in d for other, d in done.items() if other != rank)
-        if later or completed:
-            stale.add(rank)
-    return stale
-
-
-def _grouped(lines: Mapping[int, str]) -> list[str]:
-    """``rank 0-2: <text>`` lines, ranks with the same text together, in order of their lowest rank."""
-    by_text: dict[str, list[int]] = {}
-    for rank, text in sorted(lines.items()):
-        by_text.setdefault(text, []).append(rank)
-    return [f"  rank {format_ranks(ranks)}: {text}" for text, ranks in by_text.items()]
-
-
-def _first_mismatch(reports: Mapping[int, RankReport]) -> tuple[str, int, dict[int, CollectiveCall]] | None:
-    """The earliest collective (by the time its first caller entered it) whose calls differ between ranks."""
-    found: list[tuple[float, str, int, dict[int, CollectiveCall]]] = []
-    groups = sorted({c.group for report in reports.values() for c in report.calls})
-    for group in groups:
-        by_seq: dict[int, dict[int, CollectiveCall]] = {}
-        for rank, report in reports.items():
-            for call in report.calls:
-                if call.group == group:
-                    by_seq.setdefault(call.seq, {})[rank] = call
-        for seq in sorted(by_seq):
-            calls = by_seq[seq]
-            if len(calls) > 1 and len({c.key() for c in calls.values()}) > 1:
-                found.append((min(c.created for c in calls.values()), group, seq, calls))
-                break
-    if not found:
-        return None
-    _, group, seq, calls = min(found, key=lambda item: (item[0], item[1]))
-    return group, seq, calls
-
-
-def _first_ledger_mismatch(reports: Mapping[int, RankReport]) -> tuple[int, dict[int, str]] | None:
-    """The first strategy collective (by count) that differs between ranks that both still list it."""
-    by_count: dict[int, dict[int, str]] = {}
-    for rank, report in reports.items():
-        for count, what in report.ledger:
-            by_count.setdefault(count, {})[rank] = what
-    for count in sorted(by_count):
-        texts = by_count[count]
-        if len(texts) > 1 and len(set(texts.values())) > 1:
-            return count, texts
-    return None
-
-
-def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchError | None:
-    """The error every rank raises for these reports, or ``None`` when they show no divergence.
-
-    Deterministic: every rank computes it from the same reports and gets the same error. A divergence is
-
-    * two ranks whose n-th collective on one process group differs (op, shapes, dtypes, user call site, or what
-      made it): the first such collective is named, with each rank's call; or
-    * every rank waiting, not all in the same collective: each rank waits for one another never enters.
-
-    When a rank waits in DDP's gradient all-reduce while another has started fewer batches of the epoch (or is
-    in another epoch, or waits in no training step), the error is an :class:`~ddp_strategy.errors.UnevenInputsError`.
-    """
-    if not reports:
-        return None
-    mismatch = _first_mismatch(reports)
-    waits = {rank: report.waiting for rank, report in reports.items()}
-    done = {rank: {(c.group, c.seq) for c in report.calls if c.done} for rank, report in reports.items()}
-    for rank in stale_waits(waits, done):  # not blocked: another rank is past its pending call
-        waits[rank] = ""
-    stuck = all(waits.values()) and len(set(waits.values())) > 1
-    ledger = _first_ledger_mismatch(reports) if mismatch is None else None
-    if mismatch is None and ledger is None and not stuck:
-        return None
-    lines: list[str] = []
-    name = "collective"
-    missing: list[int] = [r for r, report in reports.items() if report.pending() is not None]
-    barriers = {r: report.barrier_name() for r, report in reports.items() if report.barrier_name()}
-    if mismatch is not None:
-        group, seq, calls = mismatch
-        first = next(iter(calls.values()))
-        name = f"collective #{seq} ({first.op})"
-        lines.append(
-            f"Ranks made different collective calls: call #{seq} of {_group_name(group)} is the first that differs "
-            "(each rank's n-th call on a group is paired with every other rank's n-th call, whatever it is):"
-        )
-        lines.extend(_grouped({rank: call.describe() for rank, call in calls.items()}))
-        absent = sorted(set(reports) - set(calls))
-        if absent:
-            lines.append(f"  rank {format_ranks(absent)}: had not reached call #{seq} of that group")
-    elif ledger is not None:
-        count, texts = ledger
-        name = f"strategy collective #{count}"
-        lines.append(
-            f"Ranks made different collective calls through the strategy: call #{count} is the first that differs "
-            "(the backend pairs the ranks' calls in order, whatever they are, and mixes their values):"
-        )
-        lines.extend(_grouped(texts))
-    elif barriers:
-        first_rank = min(barriers)
-        name = barriers[first_rank]
-        inside = sorted(r for r, b in barriers.items() if b == name)
-        missing = sorted(set(reports) - set(inside))
-        site = reports[first_rank].barrier_site
-        lines.append(
-            f"Rank(s) {format_ranks(inside)} wait at barrier '{name}'"
-            + (f" ({site})" if site else "")
-            + f", but rank(s) {format_ranks(missing)} never arrived: they wait elsewhere (below), so no rank can "
-            "ever go on."
-        )
-    else:
-        lines.append("Every rank waits, but not in the same collective, so none of them can ever go on:")
-    lines.append("Where each rank is now:")
-    lines.extend(_grouped({rank: report.describe_now() for rank, report in reports.items()}))
-    uneven = _uneven(reports)
-    if uneven is not None:
-        lines.append(uneven[0])
-        return UnevenInputsError("\n".join(lines), batches=uneven[1])
-    lines.append(_FIX)
-    return CollectiveMismatchError("\n".join(lines), name=name, missing_ranks=missing, reason="desync")
-
-
-#: what a rank waits in when it is inside a training batch (Lightning >= 2.5 broadcasts a SIGTERM flag before it
-#: fetches each batch; the fetcher had that batch ready already)
-_PER_BATCH = ("DDP's gradient all-reduce", "DDP's buffer broadcast", "Lightning's _broadcast_sigterm_tensor")
-_BEFORE_BATCH = "Lightning's _broadcast_sigterm_tensor"
-
-
-def _batches_reached(report: RankReport) -> int:
-    """The batches of its epoch a rank has started, counting one it waits to start."""
-    call = report.pending()
-    ahead = int(call is not None and call.what.startswith(_BEFORE_BATCH))
-    return int(report.epoch_batch or 0) + ahead
-
-
-def _uneven(reports: Mapping[int, RankReport]) -> tuple[str, list[float]] | None:
-    """Uneven training inputs: a rank waits inside a training batch of an epoch another rank has run out of.
-
-    Rank ``b`` waits in a per-batch collective (DDP's gradient all-reduce or buffer broadcast, Lightning's
-    per-batch broadcast); rank ``o`` does not, and has started fewer batches of that epoch, or is in a later epoch.
-    """
-    in_batch = [
-        r for r, report in reports.items() if (c := report.pending()) is not None and c.what.startswith(_PER_BATCH)
-    ]
-    reached = {r: _batches_reached(report) for r, report in reports.items()}
-    epoch = {r: report.epoch if report.epoch is not None else -1 for r, report in reports.items()}
-    ran_out = sorted(
-        o
-        for o in reports
-        if o not in in_batch
-        and any(epoch[o] > epoch[b] or (epoch[o] == epoch[b] and reached[o] < reached[b]) for b in in_batch)
-    )
-    if not ran_out:
-        return None
-    text = (
-        f"Uneven inputs: rank(s) {format_ranks(ran_out)} ran out of training batches while rank(s) "
-        f"{format_ranks(in_batch)} still had one, so those wait in a per-batch collective no other rank enters. "
-        "Batches started per rank in its epoch: "
-        + ", ".join(f"rank {r}: {n} (epoch {epoch[r]})" for r, n in sorted(reached.items()))
-        + ". Give every rank the same number of batches: keep Lightning's DistributedSampler "
-        "(`use_distributed_sampler=True`), or for an IterableDataset shard it into equal lengths per rank (drop the "
-        "remainder); `SafeDDPStrategy(uneven_inputs='raise')` compares the counts before the first step when the "
-        "loaders have a length."
-    )
-    return text, [float(reached[r]) for r in sorted(reached)]
 
 
 _TORCH_DIR = f"{os.sep}torch{os.sep}"
@@ -706,31 +134,9 @@ def _decide(store: Store, inquiry: int, world_size: int) -> None:
     for start in range(0, world_size, _REPORTS_PER_READ):
         values = store.multi_get(keys[start : start + _REPORTS_PER_READ])
         reports.update({start + i: RankReport.from_json(value) for i, value in enumerate(values)})
-    store.compare_set(_VERDICT_KEY.format(inquiry=inquiry), "", _verdict_to_json(find_divergence(reports)))
+    store.compare_set(_VERDICT_KEY.format(inquiry=inquiry), "", verdict_to_json(find_divergence(reports)))
     for key in [*keys, _REPORTED_KEY.format(inquiry=inquiry)]:
         store.delete_key(key)
-
-
-def _verdict_to_json(error: CollectiveMismatchError | None) -> str:
-    if error is None:
-        return _NO_VERDICT
-    data: dict[str, Any] = {"message": str(error), "name": error.name, "missing": list(error.missing_ranks)}
-    if isinstance(error, UnevenInputsError):
-        data["batches"] = list(error.batches)
-    else:
-        data["reason"] = error.reason
-    return json.dumps(data)
-
-
-def _verdict_from_json(text: str) -> CollectiveMismatchError | None:
-    if text in (_NO_VERDICT, _INCOMPLETE):
-        return None
-    data = json.loads(text)
-    if "batches" in data:
-        return UnevenInputsError(data["message"], batches=data["batches"])
-    return CollectiveMismatchError(
-        data["message"], name=data["name"], missing_ranks=data["missing"], reason=data["reason"]
-    )
 
 
 def _holding(store: Store) -> set[int]:
@@ -934,12 +340,12 @@ class DesyncMonitor:
                 if store.check([key]):
                     break
                 if time.monotonic() > deadline or self.control.failures_published(store) > own_failure:
-                    store.compare_set(key, "", _INCOMPLETE)  # a rank that failed or went silent never reports
+                    store.compare_set(key, "", INCOMPLETE)  # a rank that failed or went silent never reports
                     break
                 time.sleep(_poll_pause(world))
             text = store.get(key).decode()
-            error = _verdict_from_json(text)
-            if text == _NO_VERDICT and report.waiting:
+            error = verdict_from_json(text)
+            if text == NO_VERDICT and report.waiting:
                 self._inquired.add(report.waiting)  # every rank reported: while this wait lasts, none is to be found
             read = _READ_KEY.format(inquiry=inquiry)
             if int(store.add(read, 1)) == world:  # the last rank to read the verdict deletes it
@@ -1065,48 +471,3 @@ class DesyncMonitor:
                 time.sleep(_poll_pause(self.control.world_size))
         except Exception as err:  # rank 0's store is gone: it has exited already
             log.debug("ddp_strategy: rank %d: rank 0's store is gone (%s)", self.control.rank, err)
-
-
-_MAX_DIMS = 8
-
-
-def check_gather_shapes(tensor: Any, *, group: Any = None, device: Any = None, site: str = "") -> None:
-    """Before ``all_gather``: gather every rank's shape and dtype (one small fixed-size gather) and compare them.
-
-    gloo aborts the whole process (``gloo::EnforceNotMet``, SIGABRT) when the ranks gather tensors of different
-    sizes. A fixed-size gather of the shapes first lets every rank raise the same named error instead.
-
-    Raises:
-        CollectiveMismatchError: the ranks' tensors differ in shape or dtype (``reason="shapes"``).
-
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
-        return
-    shape = list(tensor.shape)
-    if len(shape) > _MAX_DIMS:
-        return
-    meta = torch.tensor(
-        [zlib.crc32(str(tensor.dtype).encode()), len(shape), *shape, *([0] * (_MAX_DIMS - len(shape)))],
-        dtype=torch.int64,
-        device=device,
-    )
-    gathered = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, meta, group=group)
-    rows = [tuple(int(x) for x in g.tolist()) for g in gathered]
-    if len(set(rows)) == 1:
-        return
-    described = {}
-    for rank, row in enumerate(rows):
-        dims = row[2 : 2 + row[1]]
-        described[rank] = f"shape {list(dims)}" + ("" if row[0] == rows[0][0] else " (another dtype than rank 0's)")
-    lines = [
-        f"`all_gather` at {site or 'an unknown site'}: the ranks passed tensors of different shapes or dtypes, "
-        "which the backend cannot gather (gloo aborts the process):",
-        *_grouped(described),
-        "Every rank must gather a tensor of the same shape and dtype: pad to a common shape (gather the sizes "
-        "first), or use `trainer.strategy.all_gather_object` / torchmetrics' `gather_all_tensors` for uneven shapes.",
-    ]
-    raise CollectiveMismatchError("\n".join(lines), name="all_gather", missing_ranks=[], reason="shapes")

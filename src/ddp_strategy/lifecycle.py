@@ -27,8 +27,9 @@ from ._compat.lightning import (
 )
 from ._compat.torch import collective_status, collective_trace_enabled
 from .collective_calls import CollectiveCalls
+from .collective_record import TRACE_ENTRIES, CallLedger, first_published_difference
 from .control import ControlPlane
-from .desync import TRACE_ENTRIES, CallLedger, DesyncMonitor, first_published_difference
+from .desync import DesyncMonitor
 from .errors import CollectiveMismatchError, DDPStrategyError
 from .fork_safety import fork_hazard, pin_collective_threads
 from .options import StrategyOptions

@@ -1,0 +1,297 @@
+"""A rank's heartbeat: what it publishes of itself in the rendezvous store, and the threads that keep it fresh.
+
+:class:`Heartbeat` holds where this rank is (its :class:`~ddp_strategy.positions.Position`, step, epoch progress,
+what its training thread waits in, the count and digest of the strategy's collectives) and publishes it as one key,
+``pos/<rank>``. Two daemon threads run while the control plane lives:
+
+* the *publisher* (``ddp_strategy-pulse-rank<r>``) re-publishes the position every heartbeat interval and looks
+  for the first failure another rank published (one ``check`` per beat), so a rank blocked in a data-plane
+  collective still learns it;
+* the *beat thread* (``ddp_strategy-heartbeat-rank<r>``, started with the first hook) runs the beat hooks, e.g.
+  the desync monitor's, on a connection of its own, every interval or every :data:`FAST_BEAT` seconds.
+
+A failing rank publishes its failure through it (:meth:`Heartbeat.note_failure`); rank 0, which hosts the store,
+waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals grow beyond
+:data:`RANKS_PER_INTERVAL` ranks (:func:`scaled_interval`), so that the store's load stays flat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from .positions import Position
+from .store import Store
+from .store_barrier import POSITION_KEY, Outcome, abort
+
+__all__ = [
+    "FAILURE_KEYS",
+    "FAST_BEAT",
+    "RANKS_PER_INTERVAL",
+    "Heartbeat",
+    "failures_published",
+    "read_position",
+    "scaled_interval",
+]
+
+# the control plane's records keep the logger they had before the heartbeat became a module of its own
+log = logging.getLogger("ddp_strategy.control")
+
+#: Up to this many ranks, heartbeats come every ``heartbeat_interval``; beyond, the interval grows in proportion.
+RANKS_PER_INTERVAL = 512
+#: The beat interval while a desync inquiry may come (:attr:`Heartbeat.fast_beat`), scaled like the heartbeat.
+FAST_BEAT = 0.2
+_FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' heartbeat threads look for it
+_FAILURES_KEY = "failure/count"  # how many ranks published a failure
+_SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
+#: The keys every rank's failure publication shares (deleted by rank 0 at a graceful close).
+FAILURE_KEYS = (_FAILED_KEY, _FAILURES_KEY, _SEEN_KEY)
+
+
+def scaled_interval(interval: float, world_size: int) -> float:
+    """``interval`` for a background poll of every rank, grown beyond :data:`RANKS_PER_INTERVAL` ranks in proportion.
+
+    Every rank polling once per interval costs the store ``world_size / interval`` operations a second; growing the
+    interval with the world size keeps that flat (512 ranks: as given; 4096 ranks: 8 times as long).
+    """
+    return interval * max(1.0, world_size / RANKS_PER_INTERVAL)
+
+
+def read_position(store: Store, rank: int) -> Position | None:
+    """The last position ``rank`` published through ``store``, or ``None`` when it never published one."""
+    key = POSITION_KEY.format(rank=rank)
+    if not store.check([key]):
+        return None
+    return Position.from_json(store.get(key))
+
+
+def failures_published(store: Store) -> int:
+    """How many ranks have published a failure (:meth:`Heartbeat.note_failure`) in this run; one counter read."""
+    return int(store.add(_FAILURES_KEY, 0))
+
+
+class Heartbeat:
+    """Where one rank is, as it publishes it, and the threads that re-publish it and run the beat hooks.
+
+    The training thread sets :attr:`position` (and the other fields published with it); the threads start with
+    :meth:`start` and end with :meth:`stop`.
+
+    Args:
+        rank: this process's global rank.
+        world_size: the number of ranks.
+        interval: the configured heartbeat interval in seconds (``0``: no threads), scaled beyond
+            :data:`RANKS_PER_INTERVAL` ranks.
+        store: the publisher thread's own connection to the run's namespace of the store.
+        connect: opens another connection to it (for the beat thread).
+        desync_agreed: whether the ranks agreed on a desync (going down: rank 0's store may be gone any moment).
+
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        interval: float,
+        store: Store,
+        connect: Callable[[], Store],
+        desync_agreed: Callable[[], bool],
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        #: seconds between two publications of this rank's position (``0``: no heartbeat thread): the configured
+        #: interval, scaled up beyond :data:`RANKS_PER_INTERVAL` ranks; every staleness limit (a rank whose heartbeat
+        #: is older than a few intervals counts as dead) is a multiple of it
+        self.interval = scaled_interval(interval, world_size)
+        #: beat every :data:`FAST_BEAT` seconds (scaled beyond RANKS_PER_INTERVAL ranks) instead of every heartbeat
+        #: interval: set while a desync inquiry may come
+        self.fast_beat = False
+        self._fast_interval = scaled_interval(FAST_BEAT, world_size)
+        #: this rank's current position
+        self.position = Position(kind="started", name="started", since=time.time())
+        #: the optimizer step (``trainer.global_step``) of the last training batch this rank started
+        self.step: int | None = None
+        #: ``(epoch, batches started in it)`` of the last training batch this rank started (``None`` before)
+        self.progress: tuple[int | None, int | None] = (None, None)
+        #: ``(rank, position)`` of another rank's failure, once the publisher thread has read it. Kept so that this
+        #: rank can still name it after the store is gone: when the failed rank is rank 0, which hosts the store,
+        #: this rank's own error (a backend ``Connection closed by peer``) comes once rank 0 has exited.
+        self.peer_failure: tuple[int, Position] | None = None
+        self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
+        self._ledger: tuple[int, int] = (0, 0)  # (calls, digest) of the strategy's collectives (see `set_ledger`)
+        self._store = store
+        self._connect = connect
+        self._desync_agreed = desync_agreed
+        self._hooks: list[Callable[[Store], None]] = []
+        self._stop = threading.Event()
+        self._publisher: threading.Thread | None = None
+        self._beats: threading.Thread | None = None  # runs the beat hooks (see add_beat), started by the first
+
+    # ------------------------------------------------------------------ publishing
+    def _published(self, position: Position, when: float) -> Position:
+        epoch, epoch_batch = self.progress
+        waiting, since = self._waiting
+        calls, digest = self._ledger
+        return replace(
+            position,
+            heartbeat=when,
+            epoch=epoch,
+            epoch_batch=epoch_batch,
+            waiting=waiting,
+            waiting_since=since,
+            calls=calls,
+            digest=digest,
+        )
+
+    def publish(self, store: Store) -> None:
+        """Publish this rank's position with a fresh heartbeat through ``store`` (the calling thread's own)."""
+        store.set(POSITION_KEY.format(rank=self.rank), self._published(self.position, time.time()).to_json())
+
+    def set_waiting(self, what: str, since: float) -> None:
+        """Record what the training thread waits in (``""``: nothing), published with every heartbeat."""
+        self._waiting = (what, since)
+
+    def set_ledger(self, calls: int, digest: int) -> None:
+        """Record the count and digest of the strategy's collectives, published with every heartbeat."""
+        self._ledger = (calls, digest)
+
+    def _rank0_failed(self) -> bool:
+        return self.peer_failure is not None and self.peer_failure[0] == 0
+
+    def note_failure(self, exception: BaseException, seq: int, store: Store) -> None:
+        """Publish that this rank failed (before its barrier ``seq``), so ranks waiting for it stop at once.
+
+        Best effort: when the store is unreachable the failure is only logged. Nothing is published after rank 0,
+        which hosts the store, was seen failing: its store is gone or about to go, and touching it makes torch
+        print a C++ stack trace.
+        """
+        text = f"{type(exception).__name__}: {exception}".splitlines()[0][:300]
+        self.position = Position(kind="failed", name=text, seq=seq, since=time.time())
+        if self._rank0_failed():
+            return
+        try:
+            self.publish(store)
+            store.add(_FAILURES_KEY, 1)
+            store.compare_set(_FAILED_KEY, "", str(self.rank))  # the first failure is the one to name
+            # ranks waiting in (or coming to) the next barrier of this rank, which it never enters, stop at once
+            abort(store, seq, Outcome("failed", (self.rank,), {self.rank: self.position}, by=self.rank))
+        except Exception as err:
+            log.warning("ddp_strategy: rank %d could not publish its failure (%s)", self.rank, err)
+
+    def await_failure_seen(self, store: Store, gone: Iterable[int]) -> None:
+        """After :meth:`note_failure` on rank 0: wait until every peer has read the failure, at most a few seconds.
+
+        Rank 0 hosts the rendezvous store (under Lightning's launchers and SLURM), so once it exits its peers can
+        no longer read why. A peer that is blocked inside a collective (DDP's all-reduce) still reads the failure
+        on its publisher thread, within one heartbeat interval; this waits for that, at most
+        ``max(1 s, 3 heartbeat intervals)``, so that every rank can name rank 0's error rather than a closed
+        socket. The ranks ``gone`` (found gone by the failure's diagnosis) are not waited for. Without heartbeats,
+        or with one rank, it returns at once.
+        """
+        if self.world_size < 2 or self.interval <= 0:
+            return
+        expected = self.world_size - 1 - len(set(gone) - {self.rank})
+        deadline = time.monotonic() + max(1.0, 3 * self.interval)
+        try:
+            while time.monotonic() < deadline:
+                seen, failed = int(store.add(_SEEN_KEY, 0)), int(store.add(_FAILURES_KEY, 0))
+                if seen + failed - 1 >= expected:  # a failed peer reads nothing; this rank's own failure counts once
+                    return
+                time.sleep(min(0.05, self.interval / 4))
+        except Exception as err:  # best effort: the error being raised is what matters
+            log.debug("ddp_strategy: waiting for peers to read rank %d's failure: %s", self.rank, err)
+
+    # ------------------------------------------------------------------ threads
+    def start(self) -> None:
+        """Start the publisher thread (with several ranks and a positive interval)."""
+        if self.world_size > 1 and self.interval > 0:
+            self._publisher = threading.Thread(
+                target=self._publisher_loop, name=f"ddp_strategy-pulse-rank{self.rank}", daemon=True
+            )
+            self._publisher.start()
+
+    def add_beat(self, hook: Callable[[Store], None]) -> None:
+        """Run ``hook(store)`` at every beat (each heartbeat interval, :data:`FAST_BEAT` s with :attr:`fast_beat`).
+
+        The hooks run on a thread of their own (``ddp_strategy-heartbeat-rank<r>``, started with the first hook once
+        the publisher runs), apart from the thread that publishes the heartbeat: a slow hook never delays the
+        heartbeat. ``store`` is the beat thread's own connection. When the hooks changed what this rank waits in
+        (:meth:`set_waiting`), the position is published right after them. An exception from ``hook`` is logged, not
+        raised.
+        """
+        self._hooks.append(hook)
+        if self._beats is None and self._publisher is not None:
+            self._beats = threading.Thread(
+                target=self._beat_loop, name=f"ddp_strategy-heartbeat-rank{self.rank}", daemon=True
+            )
+            self._beats.start()
+
+    def stop(self) -> None:
+        """Stop both threads and wait for them (at most ``max(5 s, 2 intervals)`` each)."""
+        self._stop.set()
+        for thread in (self._publisher, self._beats):
+            if thread is not None:
+                thread.join(timeout=max(5.0, 2 * self.interval))
+        self._publisher = self._beats = None
+
+    def _beat(self, store: Store) -> None:
+        for hook in list(self._hooks):
+            try:
+                hook(store)
+            except Exception as err:  # a diagnosis must never stop the beats
+                log.warning("ddp_strategy: rank %d: a heartbeat task failed: %r", self.rank, err)
+
+    def _going_down(self) -> bool:
+        """Whether the store may be gone any moment: the ranks agreed on a desync, or rank 0 failed."""
+        return self._desync_agreed() or self._rank0_failed()
+
+    def _beat_loop(self) -> None:
+        try:
+            store = self._connect()
+        except Exception as err:  # the store is gone before the first beat
+            log.debug("ddp_strategy: rank %d: no connection for the beat hooks: %s", self.rank, err)
+            return
+        while not self._stop.wait(self._fast_interval if self.fast_beat else self.interval):
+            if self._rank0_failed():
+                return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
+            waiting = self._waiting
+            self._beat(store)
+            if self._waiting != waiting and not self._going_down():
+                try:
+                    self.publish(store)  # the others see the new wait now, not at the next heartbeat
+                except Exception as err:  # the publisher thread reports a gone store
+                    log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
+
+    def _publisher_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self._desync_agreed():
+                continue  # the ranks agreed on a desync and are going down: rank 0's store may be gone any moment
+            try:
+                self.publish(self._store)
+                if self.peer_failure is None and self._store.check([_FAILED_KEY]):
+                    self._read_peer_failure(self._store)
+                if self._rank0_failed():
+                    return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
+            except Exception as err:  # the store is gone: rank 0 exited or died
+                if not self._stop.is_set():
+                    log.warning(
+                        "ddp_strategy: rank %d stopped publishing its heartbeat: the rendezvous store is "
+                        "unreachable (%s). Rank 0, which hosts it, has probably exited.",
+                        self.rank,
+                        err,
+                    )
+                return
+
+    def _read_peer_failure(self, store: Store) -> None:
+        """Keep the first failure another rank published, and tell that rank it was seen."""
+        failed = int(store.get(_FAILED_KEY))
+        key = POSITION_KEY.format(rank=failed)
+        if failed == self.rank or not store.check([key]):
+            return
+        position = Position.from_json(store.get(key))
+        if position.kind == "failed":
+            self.peer_failure = (failed, position)
+            store.add(_SEEN_KEY, 1)

@@ -900,8 +900,17 @@ def state_failed_peer(sim: Sim, timing: Timing) -> Outcome:
 
 def state_preemption(sim: Sim, timing: Timing) -> Outcome:
     lockstep = threading.Barrier(sim.world, timeout=timing.budget)
-    make_agreement = pkg().preemption.PreemptionAgreement
-    agreements = [make_agreement(rank=r.rank, world_size=sim.world, poll_interval=HEARTBEAT) for r in sim.ranks]
+    preemption = pkg().preemption
+    make_agreement = preemption.PreemptionAgreement
+    watch = getattr(preemption, "NoticeWatch", None)  # one blocked store wait per rank (absent in older code)
+
+    def agreement_of(r: Rank) -> Any:
+        if watch is None:
+            return make_agreement(rank=r.rank, world_size=sim.world, poll_interval=HEARTBEAT)
+        notices = watch(r.control.connect(), rank=r.rank, renew=60.0)  # as PreemptionHandling makes it
+        return make_agreement(rank=r.rank, world_size=sim.world, poll_interval=HEARTBEAT, watch=notices)
+
+    agreements = [agreement_of(r) for r in sim.ranks]
 
     def task(sim_rank: Rank) -> int:
         agreement = agreements[sim_rank.rank]

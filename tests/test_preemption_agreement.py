@@ -11,7 +11,14 @@ import pytest
 import torch.distributed as dist
 
 from ddp_strategy.errors import DDPStrategyError
-from ddp_strategy.preemption import Preempted, PreemptionAgreement, exit_code, parse_signals, stop_message
+from ddp_strategy.preemption import (
+    NoticeWatch,
+    Preempted,
+    PreemptionAgreement,
+    exit_code,
+    parse_signals,
+    stop_message,
+)
 
 
 def lockstep(agreements: list[PreemptionAgreement], store: dist.Store, *, lag: dict[int, int], steps: int) -> dict:
@@ -242,3 +249,62 @@ def test_exit_at_once_on_stop_passes_other_exits_and_errors_on():
     with pytest.raises(ValueError, match="bad"):
         exit_at_once_on_stop(raising, frozenset({143}), None, ValueError("bad"))
     assert exit_at_once_on_stop(lambda x: x + 1, frozenset({143}), None, 1) == 2
+
+
+class _CountingStore:
+    """The training thread's store: counts its operations (the watch uses the store underneath directly)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        self.inner, self.ops = inner, 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.inner, name)
+
+        def counted(*args, **kwargs):
+            self.ops += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _await(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(60)
+def test_with_watches_no_store_work_per_step_before_a_signal_and_every_rank_learns_at_once():
+    """Issue 32: each rank's NoticeWatch blocks in one store wait; the training thread reads no store per step before
+    a signal, and learns of rank 1's signal within milliseconds although its own lookup would be an hour away."""
+    inner = dist.HashStore()
+    store = _CountingStore(inner)
+    watches = [NoticeWatch(inner, rank=r, renew=3600) for r in range(3)]
+    agreements = [PreemptionAgreement(rank=r, world_size=3, poll_interval=3600.0, watch=watches[r]) for r in range(3)]
+    for step in range(1, 51):
+        assert not any(a.at_step_boundary(store, step) for a in agreements)
+    assert store.ops == 0  # 150 step boundaries, no store operation
+    agreements[1].request(signal.SIGTERM)
+    assert not agreements[1].at_step_boundary(store, 51)  # publishes the notice and acks
+    _await(lambda: all(w.notice is not None for w in watches))  # the store woke every watch
+    stopped: dict[int, int] = {}
+    for step in range(52, 60):  # lockstep from the next boundary on: ranks 0 and 2 ack at 52
+        for a in agreements:
+            if a.rank not in stopped and a.at_step_boundary(store, step):
+                stopped[a.rank] = step
+    assert stopped == {0: 53, 1: 53, 2: 53}  # max(acks 51, 52, 52) + 1
+    assert store.ops <= 3 * 6  # per rank: publish or read the notice, append, count, stop-step lookups at 52-53
+    assert all(not w.thread.is_alive() for w in watches)
+
+
+@pytest.mark.timeout(60)
+def test_a_watch_ends_when_the_run_ends_without_a_notice():
+    inner = dist.HashStore()
+    watches = [NoticeWatch(inner, rank=r, renew=3600) for r in range(2)]
+    NoticeWatch.close_for_all(inner)
+    _await(lambda: not any(w.thread.is_alive() for w in watches))
+    assert all(w.notice is None for w in watches)
+    late = NoticeWatch(inner, rank=2, renew=3600)  # a watch started after the end sees the end at once
+    _await(lambda: not late.thread.is_alive())
+    assert late.notice is None

@@ -9,13 +9,16 @@ Here the handler only records the signal. At each optimizer-step boundary (a tra
 ``global_step`` moved) the training thread runs :meth:`PreemptionAgreement.at_step_boundary`, which uses the
 control plane's rendezvous store and never a collective:
 
-1. a rank that received a signal publishes it; the others look for that key at most once per ``poll_interval``
-   seconds (one store lookup: nothing else runs on the hot path);
+1. a rank that received a signal publishes it; every rank learns of it from a :class:`NoticeWatch`, a thread
+   blocked in one store ``wait`` for that key (no polling: the store wakes it when the key is set, so every rank
+   learns within milliseconds); without a watch, a rank looks for the key at most once per ``poll_interval``
+   seconds (one store lookup);
 2. every rank that knows of the signal appends an *ack* holding its step to one key and counts itself in; the rank
    whose ack completes the count reads the acks once and writes the stop step, ``max(acks) + 1``, to one key;
-3. from its ack on, every rank looks for that key at every step boundary (one lookup), and stops there.
+3. from its ack on, every rank looks for that key at every step boundary (one lookup), and stops there. With
+   watches, every rank acks within about a step of the first, so this lasts a step or two.
 
-Each rank does O(1) store operations per step and per agreement, whatever the world size.
+Each rank does O(1) store operations per agreement, whatever the world size, and none per step before a signal.
 
 Why every rank reaches that step and none has passed it: completing an optimizer step needs every rank's gradients
 of that step (DDP's all-reduce), so when the last rank acks at step ``a`` (and writes the stop step before its step
@@ -30,15 +33,18 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 
 from .errors import DDPStrategyError
 from .store import Store
 
 __all__ = [
     "DEFAULT_PREEMPTION_SIGNALS",
+    "NoticeWatch",
     "Preempted",
     "PreemptionAgreement",
     "exit_code",
@@ -55,6 +61,7 @@ _SIGNAL_KEY = "preempt/signal"
 _ACKS_KEY = "preempt/acks"  # every rank appends the step it acknowledged at
 _ACK_COUNT_KEY = "preempt/ack-count"  # how many ranks acknowledged; the one that makes it W decides the stop step
 _STOP_KEY = "preempt/stop-step"  # the agreed stop step, written once
+_CLOSED = "closed"  # the signal key's value once a run ended without a notice: wakes every rank's watch
 #: the keys of the agreement (deleted with the control plane's namespace at its close)
 KEYS = (_SIGNAL_KEY, _ACKS_KEY, _ACK_COUNT_KEY, _STOP_KEY)
 
@@ -142,20 +149,76 @@ class _Notice:
         return cls(int(data["rank"]), str(data["signal"]), int(data["step"]), float(data["time"]))
 
 
+class NoticeWatch:
+    """A thread blocked in one store ``wait`` for the signal key; :attr:`notice` is set when a rank publishes one.
+
+    No polling: the store wakes the wait when the key is set, so the training thread learns of a signal on another
+    rank by reading an attribute. The wait is renewed every ``renew`` seconds (one store operation). The thread
+    ends when the key is set (a notice, or :meth:`close_for_all` at the end of a run), after :meth:`close` at its
+    next renewal, or when the store fails (its host is gone).
+
+    Args:
+        store: a connection of its own (a blocking ``wait`` holds it), to the run's store namespace.
+        rank: this rank (the thread's name).
+        renew: seconds between two renewals of the wait.
+
+    """
+
+    def __init__(self, store: Store, *, rank: int, renew: float = 60.0) -> None:
+        #: The notice a rank published, once the watch saw it.
+        self.notice: _Notice | None = None
+        self._store = store
+        self._renew = timedelta(seconds=renew)
+        self._closed = False
+        self.thread = threading.Thread(target=self._run, name=f"ddp_strategy-preemption-watch-rank{rank}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                self._store.wait([_SIGNAL_KEY], self._renew)
+            except Exception as err:
+                if "imeout" in str(err):  # renew the wait
+                    continue
+                log.debug("ddp_strategy: the preemption watch ends: %s", err)
+                return
+            value = self._store.get(_SIGNAL_KEY)
+            if value.decode() != _CLOSED:
+                self.notice = _Notice.from_json(value)
+            return
+
+    def close(self) -> None:
+        """End the thread at its next renewal (or when the key is set); nothing is published."""
+        self._closed = True
+
+    @staticmethod
+    def close_for_all(store: Store) -> None:
+        """Wake every rank's watch, which then ends: at the end of a run, by one rank, once all are past their steps.
+
+        A notice published before stays (``compare_set`` sets a missing key only).
+        """
+        store.compare_set(_SIGNAL_KEY, "", _CLOSED)
+
+
 class PreemptionAgreement:
     """One rank's side of the agreement on a stop step (see the module docstring).
 
     Args:
         rank: this rank.
         world_size: the number of ranks.
-        poll_interval: seconds between two lookups of the signal key by a rank that received no signal.
+        poll_interval: without ``watch``: seconds between two lookups of the signal key by a rank that received
+            no signal.
+        watch: the thread that learns of a published notice (then the training thread reads no store for it).
 
     """
 
-    def __init__(self, *, rank: int, world_size: int, poll_interval: float = 1.0) -> None:
+    def __init__(
+        self, *, rank: int, world_size: int, poll_interval: float = 1.0, watch: NoticeWatch | None = None
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.poll_interval = poll_interval
+        self.watch = watch
         #: The signal this rank received (set by the signal handler), and when.
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
@@ -198,6 +261,10 @@ class PreemptionAgreement:
                 store.set(_SIGNAL_KEY, notice.to_json())  # the first publisher's value may be overwritten: fine
                 self.notice = notice
                 self._announced = True
+            elif self.notice is None and self.watch is not None:
+                if self.watch.notice is None:
+                    return False
+                self.notice = self.watch.notice
             elif self.notice is None:
                 now = time.monotonic()
                 if now < self._next_poll:

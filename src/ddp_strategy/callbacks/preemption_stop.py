@@ -13,7 +13,7 @@ from .._compat.lightning import Callback, TrainerFn, add_callback, handle_signal
 from ..control import ControlPlane, scaled_interval
 from ..options import StrategyOptions
 from ..preemption import KEYS as PREEMPTION_KEYS
-from ..preemption import Preempted, PreemptionAgreement, stop_message
+from ..preemption import NoticeWatch, Preempted, PreemptionAgreement, stop_message
 
 __all__ = ["PreemptionHandling", "PreemptionStop"]
 
@@ -79,6 +79,24 @@ class PreemptionStop(Callback):
         if any(requested):  # a signal after the last step boundary (or during the last validation)
             self.agreement.learn(control.store)
             self._stop(trainer, trainer.global_step)
+        self._end_watch(control, wake_all=trainer.is_global_zero)  # every rank is past its last step boundary
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # The run ends for every rank; no watch stays blocked in a store wait until the process exits (a thread
+        # woken inside torch during the interpreter's finalization can abort the process)
+        self._end_watch(self._control(), wake_all=True)
+
+    def _end_watch(self, control: ControlPlane | None, *, wake_all: bool) -> None:
+        watch = self.agreement.watch
+        if watch is None:
+            return
+        watch.close()
+        if wake_all and control is not None:
+            try:
+                NoticeWatch.close_for_all(control.store)
+            except Exception as err:  # the store's host is gone: its connection ends the watches
+                log.debug("ddp_strategy: could not wake the preemption watches: %s", err)
 
     def _stop(self, trainer: pl.Trainer, step: int) -> None:
         path, found_by_last = last_checkpoint_path(trainer)
@@ -127,7 +145,10 @@ class PreemptionHandling:
         if not self.signals or trainer.state.fn != TrainerFn.FITTING:
             return
         poll = scaled_interval(self._heartbeat_interval or 1.0, world_size)  # flat store load at any size
-        agreement = PreemptionAgreement(rank=rank, world_size=world_size, poll_interval=poll)
+        control = self._control()
+        # one blocked store wait per rank learns of a signal on any rank (no polling; see preemption.NoticeWatch)
+        watch = NoticeWatch(control.connect(), rank=rank) if control is not None and world_size > 1 else None
+        agreement = PreemptionAgreement(rank=rank, world_size=world_size, poll_interval=poll, watch=watch)
         self.stop = PreemptionStop(agreement, self._control, self._finish_writes)
         add_callback(trainer, self.stop, replace=PreemptionStop)
         handle_signals_during_run(trainer, self.signals, agreement.request, self.deliver_unused_signal)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from .exit_safety import end_at_exit
 from .positions import Position
 from .store import Store
 from .store_barrier import POSITION_KEY, Outcome, abort
@@ -212,6 +213,7 @@ class Heartbeat:
                 target=self._publisher_loop, name=f"ddp_strategy-pulse-rank{self.rank}", daemon=True
             )
             self._publisher.start()
+            end_at_exit(self._stop_at_exit)
 
     def add_beat(self, hook: Callable[[Store], None]) -> None:
         """Run ``hook(store)`` at every beat (each heartbeat interval, :data:`FAST_BEAT` s with :attr:`fast_beat`).
@@ -229,13 +231,18 @@ class Heartbeat:
             )
             self._beats.start()
 
-    def stop(self) -> None:
-        """Stop both threads and wait for them (at most ``max(5 s, 2 intervals)`` each)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop both threads and wait for them (at most ``timeout``, default ``max(5 s, 2 intervals)``, each)."""
         self._stop.set()
         for thread in (self._publisher, self._beats):
             if thread is not None:
-                thread.join(timeout=max(5.0, 2 * self.interval))
+                thread.join(timeout=max(5.0, 2 * self.interval) if timeout is None else timeout)
         self._publisher = self._beats = None
+
+    def _stop_at_exit(self) -> None:
+        # a rank that exits without teardown (an error under the spawn launcher): no store call in flight while
+        # the interpreter finalizes (see exit_safety)
+        self.stop(timeout=1.0)
 
     def _beat(self, store: Store) -> None:
         for hook in list(self._hooks):

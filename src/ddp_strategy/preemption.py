@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .errors import DDPStrategyError
+from .exit_safety import end_at_exit
 from .store import Store
 
 __all__ = [
@@ -161,17 +162,20 @@ class NoticeWatch:
         store: a connection of its own (a blocking ``wait`` holds it), to the run's store namespace.
         rank: this rank (the thread's name).
         renew: seconds between two renewals of the wait.
+        waker: another connection to the same namespace, used at process exit only (:meth:`end_at_exit`).
 
     """
 
-    def __init__(self, store: Store, *, rank: int, renew: float = 60.0) -> None:
+    def __init__(self, store: Store, *, rank: int, renew: float = 60.0, waker: Store | None = None) -> None:
         #: The notice a rank published, once the watch saw it.
         self.notice: _Notice | None = None
         self._store = store
+        self._waker = waker
         self._renew = timedelta(seconds=renew)
         self._closed = False
         self.thread = threading.Thread(target=self._run, name=f"ddp_strategy-preemption-watch-rank{rank}", daemon=True)
         self.thread.start()
+        end_at_exit(self.end_at_exit)
 
     def _run(self) -> None:
         while not self._closed:
@@ -190,6 +194,22 @@ class NoticeWatch:
     def close(self) -> None:
         """End the thread at its next renewal (or when the key is set); nothing is published."""
         self._closed = True
+
+    def end_at_exit(self) -> None:
+        """At process exit: wake the wait through ``waker`` (another connection) and join the thread (at most 2 s).
+
+        A wait still blocked while the interpreter finalizes can abort the process (:mod:`ddp_strategy.exit_safety`).
+        This ends every rank's watch, which is what a rank's exit means for the run.
+        """
+        self._closed = True
+        if not self.thread.is_alive():
+            return
+        if self._waker is not None:
+            try:
+                self.close_for_all(self._waker)
+            except Exception as err:  # the store's host is gone: the wait has its error already
+                log.debug("ddp_strategy: could not wake the preemption watch at exit: %r", err)
+        self.thread.join(timeout=2.0)
 
     @staticmethod
     def close_for_all(store: Store) -> None:

@@ -147,7 +147,9 @@ class PreemptionHandling:
         poll = scaled_interval(self._heartbeat_interval or 1.0, world_size)  # flat store load at any size
         control = self._control()
         # one blocked store wait per rank learns of a signal on any rank (no polling; see preemption.NoticeWatch)
-        watch = NoticeWatch(control.connect(), rank=rank) if control is not None and world_size > 1 else None
+        watch = None
+        if control is not None and world_size > 1:
+            watch = NoticeWatch(control.connect(), rank=rank, waker=control.store)
         agreement = PreemptionAgreement(rank=rank, world_size=world_size, poll_interval=poll, watch=watch)
         self.stop = PreemptionStop(agreement, self._control, self._finish_writes)
         add_callback(trainer, self.stop, replace=PreemptionStop)

@@ -43,6 +43,7 @@ SHARED_MODULES = frozenset(
         "heartbeat",
         "object_collectives",
         "errors",
+        "exit_safety",
         "fingerprint",
         "peers",
         "positions",

@@ -227,7 +227,8 @@ def make_before_io() -> Any:
     """SafeCheckpointIO writing as of commit 6487ced: SHA-256 of every byte inline, no early write-back."""
     import torch
 
-    from ddp_strategy.checkpoint.format import HashingWriter, write_footer
+    from ddp_strategy.checkpoint.format import write_footer
+    from ddp_strategy.checkpoint.hashing import HashingWriter
     from ddp_strategy.checkpoint.io import SafeCheckpointIO
 
     class BeforeSafeCheckpointIO(SafeCheckpointIO):
@@ -290,7 +291,7 @@ def make_variant(name: str) -> Callable[[dict[str, Any], str], float]:
         return timed(make_before_io().save_checkpoint)
     if name == "durable floor":
         from ddp_strategy.checkpoint.atomic import EarlyWriteback
-        from ddp_strategy.checkpoint.format import WRITEBACK_PIECE_BYTES
+        from ddp_strategy.checkpoint.hashing import WRITEBACK_PIECE_BYTES
 
         def write_raw(checkpoint: dict[str, Any], path: str) -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -418,6 +419,7 @@ SAVE_PATH_SOURCES = [
         "checkpoint/io",
         "checkpoint/atomic",
         "checkpoint/format",
+        "checkpoint/hashing",
         "checkpoint/async_writer",
         "checkpoint/keys",
     )

@@ -309,8 +309,20 @@ class Tally:
     beat_designed: float
 
 
+def _beat(control: Any) -> Any:
+    """Where the heartbeat's methods are: ``control.heartbeat`` (issue 27), else the control plane (older commits)."""
+    heartbeat = getattr(control, "heartbeat", None)
+    return heartbeat if heartbeat is not None and hasattr(heartbeat, "note_step") else control
+
+
+def _interval(control: Any) -> float:
+    """The scaled heartbeat interval: ``control.heartbeat.interval``, ``control.heartbeat_interval`` before issue 27."""
+    beat = _beat(control)
+    return float(beat.interval if beat is not control else control.heartbeat_interval)
+
+
 class BeatClock:
-    """A beat hook (``ControlPlane.add_beat``) timing the heartbeat thread's beats against their designed period.
+    """A beat hook (``Heartbeat.add_beat``) timing the heartbeat thread's beats against their designed period.
 
     The heartbeat waits 0.2 s while ``fast_beat`` is set, else ``heartbeat_interval``, then runs the beat hooks.
     When the simulation cannot keep up (every rank in one process), the beats come later than designed: the ratio
@@ -326,7 +338,7 @@ class BeatClock:
         self.actual = 0.0
         self.designed = 0.0
         self._last = time.monotonic()  # the heartbeat thread started with the control plane
-        self._next = float(control.heartbeat_interval)
+        self._next = _interval(control)
 
     def __call__(self, store: Any) -> None:
         now = time.monotonic()
@@ -334,7 +346,7 @@ class BeatClock:
         self.designed += self._next
         self._last = now
         self.beats += 1
-        self._next = self.FAST if getattr(self.control, "fast_beat", False) else float(self.control.heartbeat_interval)
+        self._next = self.FAST if getattr(_beat(self.control), "fast_beat", False) else _interval(self.control)
 
     def clocks(self, now: float) -> tuple[float, float]:
         """``(actual, designed)`` seconds of beats up to ``now``, the open interval included."""
@@ -580,7 +592,7 @@ class Sim:
         desync = package.desync
         monitor = desync.DesyncMonitor(control, desync.CallNotes(), ledger=desync.CallLedger())
         clock = BeatClock(control)
-        control.add_beat(clock)  # after the monitor's beat
+        _beat(control).add_beat(clock)  # after the monitor's beat
         return Rank(rank, stores, control, monitor, clock, recorder)
 
     # -------------------------------------------------------------------------------------- threads
@@ -754,7 +766,7 @@ def _train(sim: Sim, sim_rank: Rank, period: float) -> None:
     while True:
         step += 1
         sim_rank.recorder.run(step)
-        sim_rank.control.note_step(step, batch=step, epoch=0, epoch_batch=step)
+        _beat(sim_rank.control).note_step(step, batch=step, epoch=0, epoch_batch=step)
         sim.sleep(period)
 
 
@@ -768,7 +780,7 @@ def state_steady(sim: Sim, timing: Timing) -> Outcome:
 
 def _enter_training(sim_rank: Rank) -> None:
     sim_rank.recorder.run(100)
-    sim_rank.control.note_step(100, batch=100, epoch=0, epoch_batch=100)
+    _beat(sim_rank.control).note_step(100, batch=100, epoch=0, epoch_batch=100)
 
 
 def state_barrier_late(sim: Sim, timing: Timing) -> Outcome:
@@ -919,7 +931,7 @@ def state_preemption(sim: Sim, timing: Timing) -> Outcome:
             while True:
                 step += 1
                 sim_rank.recorder.run(step)
-                sim_rank.control.note_step(step, batch=step, epoch=0, epoch_batch=step)
+                _beat(sim_rank.control).note_step(step, batch=step, epoch=0, epoch_batch=step)
                 sim.sleep(timing.step)  # forward and backward
                 lockstep.wait()  # DDP's gradient all-reduce: no rank runs ahead
                 if agreement.at_step_boundary(sim_rank.control.store, step):

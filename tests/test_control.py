@@ -76,7 +76,7 @@ def test_barrier_passes_when_every_rank_arrives_repeatedly():
     planes = make_planes(3)
     outcome = run_ranks(planes, lambda p: [p.barrier(f"b{i}") for i in range(5)])
     assert outcome == {0: None, 1: None, 2: None}
-    assert all(p.position.kind == "barrier" and p.position.name == "b4" for p in planes)
+    assert all(p.heartbeat.position.kind == "barrier" and p.heartbeat.position.name == "b4" for p in planes)
 
 
 def test_barrier_reached_by_rank0_only_names_missing_rank_and_its_position():
@@ -86,7 +86,7 @@ def test_barrier_reached_by_rank0_only_names_missing_rank_and_its_position():
         if plane.rank == 0:
             plane.barrier("only_rank0", site="train.py:10 in main")
         else:
-            plane.note_step(7)
+            plane.heartbeat.note_step(7)
             time.sleep(1.6)
 
     start = time.monotonic()

@@ -161,8 +161,8 @@ def test_rank0_only_barrier_is_named_by_the_leader_alone():
     world_size = 32
     planes, stores, _ = counted_planes(world_size, timeout=1.0)
     for plane in planes[1:]:
-        plane.note_step(7)
-        plane.publish_heartbeat(plane.store)  # as its heartbeat thread would
+        plane.heartbeat.note_step(7)
+        plane.heartbeat.publish(plane.store)  # as its heartbeat thread would
     stores[0].ops = stores[0].keys = 0
     with pytest.raises(CollectiveMismatchError) as info:
         planes[0].barrier("only_rank0", site="train.py:10 in training_step")
@@ -175,25 +175,33 @@ def test_rank0_only_barrier_is_named_by_the_leader_alone():
         plane.close()
 
 
-class _Control:
-    """What a DesyncMonitor's inquiry reads of its control plane (one simulated rank, no threads)."""
+class _Beat:
+    """What a DesyncMonitor reads and sets of its control plane's heartbeat (no threads)."""
 
-    heartbeat_interval = 1.0
+    interval = 1.0
+    fast_beat = False
 
-    def __init__(self, rank: int, world_size: int, store: CountingStore) -> None:
-        self.rank, self.world_size, self.store = rank, world_size, store
-        self.desync_error: CollectiveMismatchError | None = None
-        self.in_barrier = None
+    def __init__(self) -> None:
         self.position = type("P", (), {"kind": "barrier"})()
 
     def add_beat(self, hook: Any) -> None:
         pass
 
+    def failures_published(self, store: Any) -> int:
+        return int(store.add("failure/count", 0))
+
+
+class _Control:
+    """What a DesyncMonitor's inquiry reads of its control plane (one simulated rank, no threads)."""
+
+    def __init__(self, rank: int, world_size: int, store: CountingStore) -> None:
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.desync_error: CollectiveMismatchError | None = None
+        self.in_barrier = None
+        self.heartbeat: Any = _Beat()
+
     def forget_at_close(self, *keys: str, shared: bool = False) -> None:
         pass
-
-    def failures_published(self, store: Any = None) -> int:
-        return int(self.store.add("failure/count", 0))
 
 
 def inquiry(world_size: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[CountingStore], list[Any]]:
@@ -254,10 +262,8 @@ def test_a_desync_inquiry_costs_each_rank_the_same_few_operations_at_8_and_32_ra
         assert stores[0].inner.check([key])
 
 
-class _BeatingControl(_Control):
-    """A :class:`_Control` whose beat hooks run: what :meth:`DesyncMonitor.beat` sets and reads besides the store."""
-
-    fast_beat = False
+class _BeatingBeat(_Beat):
+    """A :class:`_Beat` whose beat hooks run: what :meth:`DesyncMonitor.beat` sets and reads besides the store."""
 
     def set_waiting(self, what: str, since: float) -> None:
         pass
@@ -265,8 +271,16 @@ class _BeatingControl(_Control):
     def set_ledger(self, calls: int, digest: int) -> None:
         pass
 
-    def read_position(self, rank: int, store: Any = None) -> None:
+    def read_position(self, store: Any, rank: int) -> None:
         return None
+
+
+class _BeatingControl(_Control):
+    """A :class:`_Control` with a :class:`_BeatingBeat`."""
+
+    def __init__(self, rank: int, world_size: int, store: CountingStore) -> None:
+        super().__init__(rank, world_size, store)
+        self.heartbeat = _BeatingBeat()
 
 
 def test_a_rank_stuck_in_a_wait_beats_with_one_store_operation_at_any_world_size(monkeypatch):
@@ -281,7 +295,7 @@ def test_a_rank_stuck_in_a_wait_beats_with_one_store_operation_at_any_world_size
         control = _BeatingControl(1, world_size, stores[0])
         monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
         monitor.beat(stores[1])  # the first: counts itself stuck, looks at the next rank's ledger
-        assert control.fast_beat
+        assert control.heartbeat.fast_beat
         stores[1].ops, stores[1].by_key = 0, {}
         for _ in range(10):
             monitor.beat(stores[1])

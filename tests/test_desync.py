@@ -412,25 +412,34 @@ def test_every_rank_blocked_in_different_groups_is_still_a_divergence():
     assert "Rank(s) 1 wait at barrier 'save'" in str(error)
 
 
-class _Rank0Control:
-    """What :meth:`DesyncMonitor.rank0_stopping` reads of rank 0's control plane: a real store, two ranks."""
+class _Rank0Beat:
+    """What :meth:`DesyncMonitor.rank0_stopping` reads of rank 0's heartbeat: rank 1's published position."""
 
-    rank, world_size, heartbeat_interval = 0, 2, 1.0
+    interval = 1.0
 
     def __init__(self, rank1_heartbeat: float | None) -> None:
-        self.store = torch.distributed.HashStore()
         self.rank1_heartbeat = rank1_heartbeat
 
     def add_beat(self, hook: Callable[..., None]) -> None:
         pass
 
-    def forget_at_close(self, *keys: str, shared: bool = False) -> None:
-        pass
-
-    def read_positions_of(self, ranks: list[int], store: object = None) -> dict[int, Position | None]:
+    def read_positions(self, store: object, ranks: list[int]) -> dict[int, Position | None]:
         beat = self.rank1_heartbeat
         every = {0: None, 1: None if beat is None else Position("training step", "3", heartbeat=beat)}
         return {rank: every[rank] for rank in ranks}
+
+
+class _Rank0Control:
+    """What :meth:`DesyncMonitor.rank0_stopping` reads of rank 0's control plane: a real store, two ranks."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, rank1_heartbeat: float | None) -> None:
+        self.store = torch.distributed.HashStore()
+        self.heartbeat = _Rank0Beat(rank1_heartbeat)
+
+    def forget_at_close(self, *keys: str, shared: bool = False) -> None:
+        pass
 
 
 def test_rank0_exits_only_once_every_rank_holds_the_verdict():

@@ -96,7 +96,7 @@ def test_peers_that_failed_with_the_same_error_are_not_called_the_first_failure(
     failure was on another rank" (issue 29, point 3); a peer with another error is still named as the first."""
     store = dist.HashStore()
     rank0, rank1, rank2 = (plane(planes, store, r, 3) for r in range(3))
-    rank0.note_step(2, batch=3, epoch=0, epoch_batch=3)
+    rank0.heartbeat.note_step(2, batch=3, epoch=0, epoch_batch=3)
     for peer in (rank1, rank2):
         peer.note_failure(ValueError("labels out of range"))
     diagnosis = diagnose_failed_peers(rank0, ValueError("labels out of range"))
@@ -106,10 +106,10 @@ def test_peers_that_failed_with_the_same_error_are_not_called_the_first_failure(
         "(this rank at step 2): each rank hit it by itself, so it is no consequence of another rank's failure; the "
         "cause is in this error."
     )
-    some = PeerDiagnosis(0, "ValueError: x", failed=(2,), positions={2: rank2.position}, world_size=3)
+    some = PeerDiagnosis(0, "ValueError: x", failed=(2,), positions={2: rank2.heartbeat.position}, world_size=3)
     assert "The first failure was on another rank: rank 2 failed with ValueError: labels" in some.message  # differs
     alike = PeerDiagnosis(
-        0, "ValueError: labels out of range", failed=(2,), positions={2: rank2.position}, world_size=3
+        0, "ValueError: labels out of range", failed=(2,), positions={2: rank2.heartbeat.position}, world_size=3
     )
     assert alike.message.endswith(
         "Rank(s) 2 failed with this same error too: each rank hit it by itself, so it is no consequence of another "
@@ -135,7 +135,7 @@ def test_peers_whose_heartbeat_stops_are_named_gone_after_the_wait(planes, caplo
     assert "rank 2" not in message
     assert errors_logged(caplog) == [message]
     # While it waited, this rank's own failure was published, so peers waiting for it stop at once.
-    position = rank0.read_position(0)
+    position = rank0.heartbeat.read_position(rank0.store, 0)
     assert position is not None and position.kind == "failed" and "Connection closed by peer" in position.name
 
 
@@ -239,7 +239,7 @@ def test_a_blocked_peer_names_rank0s_error_after_rank0_and_its_store_are_gone(pl
     started = time.monotonic()
     rank0.await_failure_seen()
     assert time.monotonic() - started < WAIT / 2  # read within a few 0.05 s heartbeats, well before the bound
-    assert rank1.peer_failure is not None and rank1.peer_failure[0] == 0
+    assert rank1.heartbeat.peer_failure is not None and rank1.heartbeat.peer_failure[0] == 0
     gone = GoneStore()
     rank1._store = gone  # type: ignore[assignment]  # rank 0 has exited
     own = closed_by_peer()

@@ -122,7 +122,8 @@ def _fake_trainer(environment: object) -> SimpleNamespace:
 
 
 def test_lightning_keeps_its_other_handlers_and_ours_restores_at_teardown(monkeypatch):
-    from ddp_strategy._compat.lightning import fabric, handle_signals_during_run
+    from ddp_strategy._compat.lightning import fabric
+    from ddp_strategy._compat.signals import handle_signals_during_run
 
     monkeypatch.setenv("SLURM_JOB_ID", "1")  # Lightning's auto-requeue handler for SIGUSR1 is registered
     seen: list[tuple[str, int]] = []
@@ -215,7 +216,7 @@ def test_a_stopped_spawn_rank_exits_with_its_code_whatever_happens_at_interprete
     import functools
     import multiprocessing
 
-    from ddp_strategy._compat.lightning import exit_at_once_on_stop
+    from ddp_strategy._compat.launchers import exit_at_once_on_stop
 
     out = tmp_path / "worker.pid"
     target = functools.partial(_stopped_rank_that_aborts_at_exit, str(out))
@@ -238,7 +239,7 @@ def test_a_stopped_spawn_rank_exits_with_its_code_whatever_happens_at_interprete
 
 
 def test_exit_at_once_on_stop_passes_other_exits_and_errors_on():
-    from ddp_strategy._compat.lightning import exit_at_once_on_stop
+    from ddp_strategy._compat.launchers import exit_at_once_on_stop
 
     def raising(error: BaseException) -> None:
         raise error

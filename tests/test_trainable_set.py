@@ -103,7 +103,7 @@ def test_change_on_one_rank_only_stops_that_rank_within_a_heartbeat(monkeypatch)
         if plane.rank == 1:
             agree(plane, UNFROZEN)
         else:  # rank 0's test did not fire: it goes on to train batch 7 (and would wait in DDP's all-reduce)
-            plane.note_step(6, batch=7)
+            plane.heartbeat.note_step(6, batch=7)
             time.sleep(2.0)
         return time.monotonic() - start
 

@@ -36,14 +36,12 @@ from .heartbeat import (
     FAST_BEAT,
     RANKS_PER_INTERVAL,
     Heartbeat,
-    failures_published,
-    read_position,
     scaled_interval,
 )
 from .object_collectives import KeepAlive, all_gather_objects, broadcast_object, gather_objects
 from .positions import Position, call_site
 from .store import Store
-from .store_barrier import POSITION_KEY, PUBLISHED_KEY, read_positions_of
+from .store_barrier import POSITION_KEY, PUBLISHED_KEY
 
 __all__ = [
     "FAST_BEAT",
@@ -101,8 +99,7 @@ class ControlPlane:
     All ranks must call :meth:`barrier` and :meth:`all_gather_object` in the same order, as with any
     collective; the difference is that a rank that does not is named in an error instead of causing a hang.
 
-    The methods that read the store (``read_position``, ``read_positions``, ...) take an optional ``store``: the
-    connection to read through, :attr:`store` by default; a background thread passes its own (see :meth:`connect`).
+    Where this rank is, as it publishes it, and what it reads of the other ranks' positions: :attr:`heartbeat`.
 
     Args:
         rank: this process's global rank.
@@ -148,6 +145,7 @@ class ControlPlane:
             store=heartbeat_store if heartbeat_store is not None else store,
             connect=self.connect,
             desync_agreed=lambda: self.desync_error is not None,
+            seq=lambda: self._seq,
         )
         # a barrier's blocking wait, on a connection of its own: opened now, so that no wait (an error's included)
         # pays for a new connection (a TCP connect, and a name lookup that can take seconds on some hosts)
@@ -211,35 +209,7 @@ class ControlPlane:
             keep=keep,
         )
 
-    @classmethod
-    def create_after_barrier(cls, *, timeout: timedelta, name: str, site: str) -> ControlPlane:
-        """:meth:`create` (without a heartbeat), once every rank has reached a monitored barrier ``name``.
-
-        For a collective call outside a run, e.g. ``trainer.save_checkpoint`` after ``fit``: creating the gloo group
-        waits for every rank, so a rank that never calls would leave the others inside torch's group creation.
-        The barrier names it after ``timeout`` instead. Every rank counts its own calls in the rendezvous store,
-        so the k-th call of every rank meets in the same namespace.
-        """
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ddp_strategy: `create_after_barrier` needs an initialised default process group.")
-        base = default_store()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        call = base.add(f"ddp_strategy/outside-run/calls/{rank}", 1)
-        # the barrier's blocking wait needs a connection of its own
-        store, connect = _namespace(f"ddp_strategy/outside-run/{call}/", base)
-        gate = cls(
-            rank=rank,
-            world_size=world_size,
-            store=store,
-            group=None,
-            timeout=timeout,
-            heartbeat_interval=0,
-            store_factory=connect,
-        )
-        gate.barrier(name, site=site)
-        return cls.create(timeout=timeout, heartbeat_interval=0)
-
-    # ------------------------------------------------------------------ positions
+    # ------------------------------------------------------------------ state
     @property
     def group(self) -> Any:
         """The gloo process group of this control plane (``None`` once closed)."""
@@ -254,81 +224,9 @@ class ControlPlane:
         return self._store
 
     @property
-    def position(self) -> Position:
-        """This rank's current position."""
-        return self.heartbeat.position
-
-    def note_step(
-        self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None
-    ) -> None:
-        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O).
-
-        Args:
-            step: the optimizer step (``trainer.global_step``), shown in messages.
-            batch: how many training batches this rank has started in this run, this one included; lets another
-                rank tell that this one went past a point of that batch (see ``passed`` in :meth:`barrier`).
-            epoch: the training epoch of this batch.
-            epoch_batch: how many batches of that epoch this rank has started, this one included.
-
-        """
-        beat = self.heartbeat
-        beat.position = Position(kind="training step", name=str(step), seq=self._seq, since=time.time(), batch=batch)
-        beat.step = step
-        if epoch is not None:
-            beat.progress = (epoch, epoch_batch)
-
-    @property
-    def progress(self) -> tuple[int | None, int | None]:
-        """``(epoch, batches started in it)`` of the last training batch this rank started (``None`` before)."""
-        return self.heartbeat.progress
-
-    @property
-    def step(self) -> int | None:
-        """The optimizer step (``trainer.global_step``) of the last training batch this rank started."""
-        return self.heartbeat.step
-
-    @property
     def in_barrier(self) -> tuple[str, float] | None:
         """``("barrier <seq> '<name>'", since)`` while the training thread waits in a barrier of this plane."""
         return self._barrier.waiting_in
-
-    def set_waiting(self, what: str, since: float) -> None:
-        """Record what the training thread waits in (``""``: nothing), published with every heartbeat."""
-        self.heartbeat.set_waiting(what, since)
-
-    def set_ledger(self, calls: int, digest: int) -> None:
-        """Record the count and digest of the strategy's collectives, published with every heartbeat."""
-        self.heartbeat.set_ledger(calls, digest)
-
-    @property
-    def fast_beat(self) -> bool:
-        """Beat every :data:`FAST_BEAT` s instead of every heartbeat interval (:attr:`Heartbeat.fast_beat`)."""
-        return self.heartbeat.fast_beat
-
-    @fast_beat.setter
-    def fast_beat(self, value: bool) -> None:
-        self.heartbeat.fast_beat = value
-
-    def add_beat(self, hook: Callable[[Store], None]) -> None:
-        """Run ``hook(store)`` at every beat, on the heartbeat's own thread (see :meth:`Heartbeat.add_beat`)."""
-        self.heartbeat.add_beat(hook)
-
-    def publish_heartbeat(self, store: Store) -> None:
-        """Publish this rank's position with a fresh heartbeat through ``store`` (a background thread's own)."""
-        self.heartbeat.publish(store)
-
-    @property
-    def peer_failure(self) -> tuple[int, Position] | None:
-        """``(rank, position)`` of another rank's failure, once read by this rank's heartbeat (:class:`Heartbeat`)."""
-        return self.heartbeat.peer_failure
-
-    @property
-    def heartbeat_interval(self) -> float:
-        """Seconds between two publications of this rank's position (``0``: no heartbeat thread), scaled with the ranks.
-
-        Every staleness limit (a rank whose heartbeat is older than a few intervals counts as dead) is a multiple of it.
-        """
-        return self.heartbeat.interval
 
     def connect(self) -> Store:
         """A new connection to this run's store namespace, for a background thread.
@@ -338,22 +236,6 @@ class ControlPlane:
         (a single-process fake store in tests) this returns the control plane's own store.
         """
         return self._store_factory() if self._store_factory is not None else self._store
-
-    def read_positions(self, store: Store | None = None) -> dict[int, Position | None]:
-        """Every rank's last published position (``None`` for a rank that never published one)."""
-        return self.read_positions_of(range(self.world_size), store)
-
-    def read_positions_of(self, ranks: Sequence[int], store: Store | None = None) -> dict[int, Position | None]:
-        """The last published positions of ``ranks`` (``None``: never published), in batched reads."""
-        return read_positions_of(self._store if store is None else store, list(ranks))
-
-    def read_position(self, rank: int, store: Store | None = None) -> Position | None:
-        """The last position ``rank`` published, or ``None`` when it never published one."""
-        return read_position(self._store if store is None else store, rank)
-
-    def failures_published(self, store: Store | None = None) -> int:
-        """How many ranks have published a failure (:meth:`note_failure`) in this run; one counter read."""
-        return failures_published(self._store if store is None else store)
 
     def forget_at_close(self, *keys: str, shared: bool = False) -> None:
         """Delete ``keys`` of this run's namespace when the control plane closes gracefully.
@@ -562,3 +444,31 @@ class ControlPlane:
                 self._store.delete_key(key)
         except Exception as err:
             log.debug("ddp_strategy: rank %d could not delete its control-plane keys: %s", self.rank, err)
+
+
+def create_after_barrier(*, timeout: timedelta, name: str, site: str) -> ControlPlane:
+    """:meth:`ControlPlane.create` (without a heartbeat), once every rank has reached a monitored barrier ``name``.
+
+    For a collective call outside a run, e.g. ``trainer.save_checkpoint`` after ``fit``: creating the gloo group
+    waits for every rank, so a rank that never calls would leave the others inside torch's group creation.
+    The barrier names it after ``timeout`` instead. Every rank counts its own calls in the rendezvous store,
+    so the k-th call of every rank meets in the same namespace.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ddp_strategy: `create_after_barrier` needs an initialised default process group.")
+    base = default_store()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    call = base.add(f"ddp_strategy/outside-run/calls/{rank}", 1)
+    # the barrier's blocking wait needs a connection of its own
+    store, connect = _namespace(f"ddp_strategy/outside-run/{call}/", base)
+    gate = ControlPlane(
+        rank=rank,
+        world_size=world_size,
+        store=store,
+        group=None,
+        timeout=timeout,
+        heartbeat_interval=0,
+        store_factory=connect,
+    )
+    gate.barrier(name, site=site)
+    return ControlPlane.create(timeout=timeout, heartbeat_interval=0)

@@ -194,7 +194,7 @@ class DesyncMonitor:
         control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, _HOLDING_KEY, _RANK0_STOPPING_KEY, shared=True)
         for counter in (_INQUIRY_KEY, _STUCK_KEY):  # both exist from now on: a beat reads them in one round trip
             control.store.add(counter, 0)
-        control.add_beat(self.beat)
+        control.heartbeat.add_beat(self.beat)
 
     # ------------------------------------------------------------------ watching
     def _current_wait(self) -> tuple[str, float]:
@@ -216,12 +216,14 @@ class DesyncMonitor:
         self._wait = self._current_wait()
         what, since = self._wait
         stuck = bool(what) and time.time() - since >= self.stuck_after
-        control.set_waiting(what if stuck else "", since if stuck else 0.0)
-        control.fast_beat = bool(what) and time.time() - since >= self.stuck_after / 2  # answer inquiries quickly
+        control.heartbeat.set_waiting(what if stuck else "", since if stuck else 0.0)
+        control.heartbeat.fast_beat = (
+            bool(what) and time.time() - since >= self.stuck_after / 2
+        )  # answer inquiries quickly
         if control.desync_error is not None:
             self._break_if_blocked(store)
             return
-        control.set_ledger(*self.ledger.state)
+        control.heartbeat.set_ledger(*self.ledger.state)
         if stuck != self._counted_stuck:  # every rank counts itself in while stuck: "all stuck" is one counter
             store.add(_STUCK_KEY, 1 if stuck else -1)
             self._counted_stuck = stuck
@@ -236,7 +238,7 @@ class DesyncMonitor:
         now = time.monotonic()
         if now < self._next_look:  # a fast beat watches for inquiries only: the looks at a peer keep their pace
             return
-        self._next_look = now + control.heartbeat_interval
+        self._next_look = now + control.heartbeat.interval
         if not self._ledger_inquired and self._ledger_differs(store):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, _open(store, inquiry))
@@ -280,7 +282,7 @@ class DesyncMonitor:
     def _ledger_differs(self, store: Store) -> bool:
         """Whether the next rank's strategy collectives differ from this rank's at the count it reached."""
         peer = (self.control.rank + 1) % self.control.world_size
-        position = self.control.read_position(peer, store)
+        position = self.control.heartbeat.read_position(store, peer)
         if position is None or position.calls == 0 or position.calls > self.ledger.state[0]:
             return False
         mine = self.ledger.digest_at(position.calls)
@@ -294,12 +296,12 @@ class DesyncMonitor:
         for group in sorted({c.group for c in calls}):
             newest.extend([c for c in calls if c.group == group][-REPORT_CALLS:])
         what, since = self._current_wait()
-        epoch, epoch_batch = self.control.progress
+        epoch, epoch_batch = self.control.heartbeat.progress
         if self.progress is not None:
             now = self.progress()
             epoch, epoch_batch = now if now is not None else (None, None)
-        step = self.control.step
-        barrier_site = self.control.position.site if what.startswith("barrier ") else ""
+        step = self.control.heartbeat.step
+        barrier_site = self.control.heartbeat.position.site if what.startswith("barrier ") else ""
         return RankReport(
             rank=self.control.rank,
             calls=tuple(newest),
@@ -328,7 +330,7 @@ class DesyncMonitor:
             report = self.report()
             mine = report.to_json()
             deadline = time.monotonic() + _REPORT_WAIT
-            own_failure = int(self.control.position.kind == "failed")
+            own_failure = int(self.control.heartbeat.position.kind == "failed")
             while True:
                 inquiry = max(inquiry, int(store.add(_INQUIRY_KEY, 0)))
                 if inquiry > self._answered:
@@ -339,7 +341,7 @@ class DesyncMonitor:
                 key = _VERDICT_KEY.format(inquiry=inquiry)
                 if store.check([key]):
                     break
-                if time.monotonic() > deadline or self.control.failures_published(store) > own_failure:
+                if time.monotonic() > deadline or self.control.heartbeat.failures_published(store) > own_failure:
                     store.compare_set(key, "", INCOMPLETE)  # a rank that failed or went silent never reports
                     break
                 time.sleep(_poll_pause(world))
@@ -380,9 +382,9 @@ class DesyncMonitor:
         """Whether one of ``ranks`` failed or stopped its heartbeat: it never will do what is awaited of it."""
         if not ranks:
             return False
-        positions = self.control.read_positions_of(ranks, store)
+        positions = self.control.heartbeat.read_positions(store, ranks)
         now = time.time()
-        stale = max(2.0, 4 * self.control.heartbeat_interval)
+        stale = max(2.0, 4 * self.control.heartbeat.interval)
         return any(p is None or p.kind == "failed" or now - p.heartbeat > stale for p in positions.values())
 
     def inquire(self) -> CollectiveMismatchError | None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from .exit_safety import end_at_exit
 from .positions import Position
 from .store import Store
-from .store_barrier import POSITION_KEY, Outcome, abort
+from .store_barrier import POSITION_KEY, Outcome, abort, read_positions_of
 
 __all__ = [
     "FAILURE_KEYS",
@@ -88,6 +88,7 @@ class Heartbeat:
         store: the publisher thread's own connection to the run's namespace of the store.
         connect: opens another connection to it (for the beat thread).
         desync_agreed: whether the ranks agreed on a desync (going down: rank 0's store may be gone any moment).
+        seq: the sequence number of the control plane's next barrier (recorded in a training step's position).
 
     """
 
@@ -100,6 +101,7 @@ class Heartbeat:
         store: Store,
         connect: Callable[[], Store],
         desync_agreed: Callable[[], bool],
+        seq: Callable[[], int] = lambda: 0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -126,6 +128,7 @@ class Heartbeat:
         self._store = store
         self._connect = connect
         self._desync_agreed = desync_agreed
+        self._seq = seq
         self._hooks: list[Callable[[Store], None]] = []
         self._stop = threading.Event()
         self._publisher: threading.Thread | None = None
@@ -151,6 +154,24 @@ class Heartbeat:
         """Publish this rank's position with a fresh heartbeat through ``store`` (the calling thread's own)."""
         store.set(POSITION_KEY.format(rank=self.rank), self._published(self.position, time.time()).to_json())
 
+    def note_step(
+        self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None
+    ) -> None:
+        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O).
+
+        Args:
+            step: the optimizer step (``trainer.global_step``), shown in messages.
+            batch: how many training batches this rank has started in this run, this one included; lets another
+                rank tell that this one went past a point of that batch (see ``passed`` in ``ControlPlane.barrier``).
+            epoch: the training epoch of this batch.
+            epoch_batch: how many batches of that epoch this rank has started, this one included.
+
+        """
+        self.position = Position(kind="training step", name=str(step), seq=self._seq(), since=time.time(), batch=batch)
+        self.step = step
+        if epoch is not None:
+            self.progress = (epoch, epoch_batch)
+
     def set_waiting(self, what: str, since: float) -> None:
         """Record what the training thread waits in (``""``: nothing), published with every heartbeat."""
         self._waiting = (what, since)
@@ -158,6 +179,21 @@ class Heartbeat:
     def set_ledger(self, calls: int, digest: int) -> None:
         """Record the count and digest of the strategy's collectives, published with every heartbeat."""
         self._ledger = (calls, digest)
+
+    # ------------------------------------------------------------------ reading
+    def read_positions(self, store: Store, ranks: Sequence[int] | None = None) -> dict[int, Position | None]:
+        """The last published positions of ``ranks`` (every rank by default; ``None``: never published), batched."""
+        return read_positions_of(store, list(range(self.world_size) if ranks is None else ranks))
+
+    @staticmethod
+    def read_position(store: Store, rank: int) -> Position | None:
+        """The last position ``rank`` published, or ``None`` when it never published one."""
+        return read_position(store, rank)
+
+    @staticmethod
+    def failures_published(store: Store) -> int:
+        """How many ranks have published a failure (:meth:`note_failure`) in this run; one counter read."""
+        return failures_published(store)
 
     def _rank0_failed(self) -> bool:
         return self.peer_failure is not None and self.peer_failure[0] == 0

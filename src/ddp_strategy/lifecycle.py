@@ -126,7 +126,7 @@ class RunLifecycle:
         """Before a training step: this rank's position, which the heartbeat publishes (an attribute assignment)."""
         if self.control is not None:
             epoch = trainer.current_epoch if trainer is not None else None
-            self.control.note_step(step, batch=batches, epoch=epoch, epoch_batch=batch_idx + 1)
+            self.control.heartbeat.note_step(step, batch=batches, epoch=epoch, epoch_batch=batch_idx + 1)
 
     def raise_agreed_desync(self) -> None:
         """Raise the desync every rank agreed on, at this rank's next strategy hook (its ranks run on otherwise)."""

@@ -118,7 +118,7 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
 
     A backend error for a dead peer (gloo's ``Connection closed by peer [127.0.0.1]:20362``) names an address.
     Peers that published a failure are named at once, also when the store is gone by now (this rank's heartbeat
-    thread keeps the first failure it reads: :attr:`ControlPlane.peer_failure`). Otherwise this rank publishes its
+    thread keeps the first failure it reads: ``control.heartbeat.peer_failure``). Otherwise this rank publishes its
     own failure (so peers waiting for it stop now) and waits up to ``max(1 s, 3 heartbeat intervals)`` for the
     other peers' heartbeats to move; the ones whose heartbeat does not are named as gone. When the store cannot
     be read, its host (rank 0) is named.
@@ -145,7 +145,7 @@ def diagnose_failed_peers(control: ControlPlane, exception: BaseException) -> Pe
         else _diagnose(control, exception)
     )
     if diagnosis is not None:
-        diagnosis = replace(diagnosis, world_size=control.world_size, step=control.step)
+        diagnosis = replace(diagnosis, world_size=control.world_size, step=control.heartbeat.step)
     control.failure_diagnosis = (exception, diagnosis)
     if diagnosis is not None:
         log.error(diagnosis.message)
@@ -160,8 +160,8 @@ def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis 
     """
     rank = control.rank
     cause = f"{type(exception).__name__}: {exception}".splitlines()[0][:200]
-    if control.peer_failure is not None:  # read by the heartbeat thread, maybe before the store went away
-        failed_rank, position = control.peer_failure
+    if control.heartbeat.peer_failure is not None:  # read by the heartbeat thread, maybe before the store went away
+        failed_rank, position = control.heartbeat.peer_failure
         return PeerDiagnosis(rank, cause, failed=(failed_rank,), positions={failed_rank: position}, seen_at=time.time())
     try:
         store = control.store
@@ -169,7 +169,7 @@ def _diagnose(control: ControlPlane, exception: BaseException) -> PeerDiagnosis 
         if not first_to_ask:
             survey = _await_survey(control)
             if survey is not None:
-                if control.position.kind != "failed" and control.heartbeat_interval > 0:
+                if control.heartbeat.position.kind != "failed" and control.heartbeat.interval > 0:
                     control.note_failure(exception)  # peers waiting for this rank stop now, as after a survey
                 return _adopt(survey, rank, cause)
         diagnosis = _survey(control, exception, cause)
@@ -191,7 +191,7 @@ def _survey_to_json(diagnosis: PeerDiagnosis | None) -> str:
 
 def _await_survey(control: ControlPlane) -> dict[str, object] | None:
     """The survey another rank publishes, or ``None`` when none comes within the survey's own wait and 2 s."""
-    deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval) + 2.0
+    deadline = time.monotonic() + max(1.0, 3 * control.heartbeat.interval) + 2.0
     pause = 0.05 * max(1.0, control.world_size / 64)  # every waiting rank looks: keep the total flat
     while time.monotonic() < deadline:
         if control.store.check([_SURVEY_KEY]):
@@ -220,20 +220,23 @@ def _survey(control: ControlPlane, exception: BaseException, cause: str) -> Peer
     """Read every rank's position; wait for the heartbeats of the ranks that published one, at most the bound."""
     rank = control.rank
     try:
-        first = control.read_positions()
+        first = control.heartbeat.read_positions(control.store)
         seen_at = time.time()
         failed = tuple(r for r, p in sorted(first.items()) if r != rank and p is not None and p.kind == "failed")
         if failed:
             return PeerDiagnosis(rank, cause, failed=failed, positions=first, seen_at=seen_at)
         latest = first
         pending = {r for r, p in first.items() if r != rank and p is not None}
-        if control.heartbeat_interval > 0:
-            if control.position.kind != "failed":  # a HangWatchdog asks before the strategy publishes it
+        if control.heartbeat.interval > 0:
+            if control.heartbeat.position.kind != "failed":  # a HangWatchdog asks before the strategy publishes it
                 control.note_failure(exception)
-            deadline = time.monotonic() + max(1.0, 3 * control.heartbeat_interval)
+            deadline = time.monotonic() + max(1.0, 3 * control.heartbeat.interval)
             while pending and time.monotonic() < deadline:
-                time.sleep(min(0.1, control.heartbeat_interval / 2))
-                latest = {**latest, **control.read_positions_of(sorted(pending))}  # only the ranks not yet seen
+                time.sleep(min(0.1, control.heartbeat.interval / 2))
+                latest = {
+                    **latest,
+                    **control.heartbeat.read_positions(control.store, sorted(pending)),
+                }  # only the ranks not yet seen
                 seen_at = time.time()
                 pending = {r for r in pending if not _moved(first[r], latest[r])}
         else:  # no heartbeats to watch: only ranks that never published a position are known to be gone

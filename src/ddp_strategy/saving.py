@@ -21,7 +21,7 @@ from .checkpoint import protocol
 from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.keys import BUCKET_LAYOUT_KEY, NO_RNG_REASON_KEY, PACKAGE_KEY, package_state
 from .checkpoint.overlap import deferrable_tensors, install_snapshot_gate
-from .control import ControlPlane, RankFailure, also_failed, first_failure
+from .control import ControlPlane, RankFailure, also_failed, create_after_barrier, first_failure
 from .errors import CheckpointWriteError
 from .host import StrategyHost
 from .lifecycle import RunLifecycle
@@ -216,7 +216,7 @@ class CheckpointSaving:
         if dist.is_available() and dist.is_initialized():
             name = f"trainer.save_checkpoint('{os.path.basename(str(filepath))}') outside a run"
             timeout = self._options.barrier_timeout
-            control = ControlPlane.create_after_barrier(timeout=timeout, name=name, site=call_site())
+            control = create_after_barrier(timeout=timeout, name=name, site=call_site())
             saved = False
             try:
                 self._collective_save(control, checkpoint, filepath, storage_options, asynchronous=False)

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
+from ._compat.launchers import configure_launcher
 from ._compat.lightning import (
     CheckpointPath,
     DDPStrategy,
     StrategyRegistryType,
-    configure_launcher,
     pl,
     trainer_of,
     training_progress,

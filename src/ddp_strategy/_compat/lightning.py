@@ -7,22 +7,17 @@ packages are copies of one source with separate class hierarchies, so a ``pytorc
 strategies and callbacks built on ``pytorch_lightning``'s classes.
 
 Public names are re-exported as they are. Private ones are reached only through the functions below, whose names
-say what they do; a Lightning release that changes one of them is a change here only. Supported releases:
-:data:`ddp_strategy._compat.SUPPORTED_LIGHTNING`.
+say what they do; a Lightning release that changes one of them is a change here (or in the seam's modules that
+import this one: :mod:`~ddp_strategy._compat.launchers`, :mod:`~ddp_strategy._compat.loops`) only. Supported
+releases: :data:`ddp_strategy._compat.SUPPORTED_LIGHTNING`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import logging
-import multiprocessing
 import os
-import signal
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from importlib import import_module, metadata
 from pathlib import Path
@@ -49,16 +44,13 @@ __all__ = [
     "UnrepeatedDistributedSampler",
     "add_callback",
     "collect_rng_states",
-    "configure_launcher",
     "count_checkpointed_batch_as_completed",
     "current_hook_name",
     "dataloader_init_args",
     "destroy_default_process_group",
     "epochs_processed",
-    "exit_at_once_on_stop",
     "fabric",
     "find_callback",
-    "handle_signals_during_run",
     "has_callback",
     "init_default_process_group",
     "last_checkpoint_path",
@@ -132,8 +124,6 @@ Callback = pl.callbacks.Callback
 DDPStrategy = pl.strategies.DDPStrategy
 StrategyRegistry = pl.strategies.StrategyRegistry
 RunningStage = pl.trainer.states.RunningStage
-_MultiProcessingLauncher = pl.strategies.launchers.multiprocessing._MultiProcessingLauncher
-_SubprocessScriptLauncher = pl.strategies.launchers.subprocess_script._SubprocessScriptLauncher
 TrainerFn = pl.trainer.states.TrainerFn
 CheckpointIO = fabric.plugins.CheckpointIO
 rank_zero_warn = pl.utilities.rank_zero_warn
@@ -415,64 +405,6 @@ def rebuild_ddp_wrapper(strategy: Any) -> Any:
     return new
 
 
-# ---------------------------------------------------------------------------------------------- signals
-_SIGNALS_ATTR = "_ddp_strategy_signals"
-
-
-def handle_signals_during_run(
-    trainer: Any,
-    signals: Sequence[signal.Signals],
-    handler: Callable[[int], None],
-    after_restore: Callable[[], None],
-) -> None:
-    """For the next run of ``trainer``, let ``handler`` take ``signals`` from Lightning's handlers.
-
-    Lightning installs its handlers in ``trainer._run`` after the strategy's ``setup`` (its SIGTERM handler starts a
-    broadcast from inside the handler, which deadlocks against any collective in progress) and restores the
-    previous ones in ``trainer._teardown``. This wraps the Trainer's signal connector (once; later runs replace the
-    spec): after Lightning registered its handlers, each of ``signals`` calls ``handler(signum)`` and then the
-    handler the process had before the run (a user's own, when callable). After Lightning restored the handlers,
-    ``after_restore()`` runs, once.
-    """
-    connector = trainer._signal_connector
-    setattr(connector, _SIGNALS_ATTR, (tuple(signals), handler, after_restore))
-    if getattr(connector, "_ddp_strategy_wrapped", False):
-        return
-    register, teardown = connector.register_signal_handlers, connector.teardown
-
-    def register_signal_handlers() -> None:
-        register()
-        spec = getattr(connector, _SIGNALS_ATTR, None)
-        if spec is None or threading.current_thread() is not threading.main_thread():
-            return
-        for sig in spec[0]:
-            before = connector._original_handlers.get(sig)
-            signal.signal(sig, _Composed(spec[1], before if callable(before) else None))
-
-    def restore_signal_handlers() -> None:
-        teardown()
-        spec = getattr(connector, _SIGNALS_ATTR, None)
-        setattr(connector, _SIGNALS_ATTR, None)
-        if spec is not None:
-            spec[2]()
-
-    connector.register_signal_handlers = register_signal_handlers
-    connector.teardown = restore_signal_handlers
-    connector._ddp_strategy_wrapped = True
-
-
-class _Composed:
-    """A signal handler: ours, then the one the process had before the run."""
-
-    def __init__(self, first: Callable[[int], None], then: Callable[..., Any] | None) -> None:
-        self.first, self.then = first, then
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.first(signum)
-        if self.then is not None:
-            self.then(signum, frame)
-
-
 def last_checkpoint_path(trainer: Any) -> tuple[str, bool]:
     """Where a checkpoint is found by ``fit(ckpt_path="last")``; ``(path, True)`` when there is such a place.
 
@@ -489,142 +421,6 @@ def last_checkpoint_path(trainer: Any) -> tuple[str, bool]:
         callback.last_model_path = path
         return str(path), True
     return os.path.join(str(trainer.default_root_dir), "checkpoints", "last.ckpt"), False
-
-
-def _run_converting(
-    function: Callable[..., Any], convert: Callable[[BaseException], BaseException | None], *args: Any, **kwargs: Any
-) -> Any:
-    """Run the launched function (``Trainer._fit_impl`` and the like); an error it raises may be replaced."""
-    try:
-        return function(*args, **kwargs)
-    except Exception as err:
-        replacement = convert(err)
-        if replacement is None or replacement is err:
-            raise
-        raise replacement from err
-
-
-def exit_at_once_on_stop(
-    function: Callable[..., Any], exit_codes: frozenset[int], trainer: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """Run a spawn rank's function; a ``SystemExit`` with one of ``exit_codes`` ends the process at once.
-
-    A preempted rank has saved, agreed and printed its line when :class:`~ddp_strategy.Preempted` reaches here.
-    It then does what Lightning does for a rank of the subprocess launcher (``_call_and_handle_interrupt``:
-    ``on_exception`` hooks, loggers finalized, ``trainer._teardown()``, so that the strategy closes its control
-    plane with every rank: rank 0, the store's host, goes last), and ends with ``os._exit`` after flushing the
-    streams and ending its own child processes (DataLoader workers). Its exit code so depends neither on the
-    interpreter's finalization nor on C++ static destructors: once, one of those aborted a stopped rank (SIGABRT,
-    "terminate called without an active exception"), and the main process exited 1 instead of 143. Other errors
-    and exit codes pass unchanged (as in stock Lightning, a spawn rank's error reaches the main process).
-
-    Args:
-        function: the launched function (``Trainer._fit_impl`` and the like).
-        exit_codes: the preemption exit codes (``128 + signal``).
-        trainer: the rank's Trainer (``None`` when the launcher runs without one).
-        *args: ``function``'s arguments.
-        **kwargs: ``function``'s keyword arguments.
-
-    """
-    try:
-        return function(*args, **kwargs)
-    except SystemExit as stop:
-        if stop.code not in exit_codes:
-            raise
-        if trainer is not None:
-            import_module(f"{_PL}.trainer.call")._interrupt(trainer, stop)
-            trainer._teardown()
-        code = int(stop.code)  # one of exit_codes
-    for child in multiprocessing.active_children():
-        child.terminate()
-    for child in multiprocessing.active_children():
-        child.join(timeout=5.0)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
-class _ConvertingScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's subprocess-script launcher (also used under torchrun and SLURM); the run's errors may be replaced.
-
-    ``convert`` turns an error the run raised into the one to raise instead (or ``None``), before Lightning's
-    ``on_exception`` hooks see it.
-    """
-
-    def __init__(self, launcher: Any, convert: Callable[[BaseException], BaseException | None]) -> None:
-        self.__dict__.update(launcher.__dict__)
-        self.convert = convert
-
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        wrapped = functools.partial(_run_converting, function, self.convert)
-        return super().launch(wrapped, *args, trainer=trainer, **kwargs)
-
-
-class _ExitCodeLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher; a rank that exits with a preemption code makes the main process exit with it.
-
-    While the ranks run, the preemption signals the main process receives are passed on to them (it is no rank
-    and has no checkpoint to write). In each rank, an error of the run may be replaced, as in
-    :class:`_ConvertingScriptLauncher`, and a preemption stop ends the rank at once (:func:`exit_at_once_on_stop`).
-    """
-
-    def __init__(
-        self,
-        strategy: Any,
-        start_method: Any,
-        exit_codes: frozenset[int],
-        signals: tuple[int, ...],
-        convert: Callable[[BaseException], BaseException | None] | None = None,
-    ) -> None:
-        super().__init__(strategy, start_method=start_method)
-        self.exit_codes = exit_codes
-        self.signals = signals
-        self.convert = convert
-
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        from torch.multiprocessing.spawn import ProcessExitedException
-
-        if self.convert is not None:
-            function = functools.partial(_run_converting, function, self.convert)
-        function = functools.partial(exit_at_once_on_stop, function, self.exit_codes, trainer)
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, self._pass_on) for sig in self.signals}
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except ProcessExitedException as err:
-            if err.exit_code in self.exit_codes:
-                raise SystemExit(err.exit_code) from None  # each rank printed why it stopped
-            raise
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _pass_on(self, signum: int, frame: Any) -> None:
-        for process in getattr(self, "procs", []):
-            if process.is_alive() and process.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signum)
-
-
-def configure_launcher(
-    strategy: Any,
-    exit_codes: frozenset[int],
-    signals: tuple[int, ...],
-    convert: Callable[[BaseException], BaseException | None],
-) -> None:
-    """Replace the strategy's launcher by one that converts the run's errors (and, for spawn, passes on signals).
-
-    The spawn launcher (``_MultiProcessingLauncher``) becomes :class:`_ExitCodeLauncher`: the main process exits
-    with a rank's preemption code. The subprocess-script launcher becomes :class:`_ConvertingScriptLauncher`.
-    """
-    launcher = strategy._launcher
-    if type(launcher) is _MultiProcessingLauncher:
-        strategy._launcher = _ExitCodeLauncher(strategy, launcher._start_method, exit_codes, signals, convert)
-    elif type(launcher) is _SubprocessScriptLauncher:
-        strategy._launcher = _ConvertingScriptLauncher(launcher, convert)
 
 
 def training_progress(trainer: Any) -> tuple[int, int] | None:

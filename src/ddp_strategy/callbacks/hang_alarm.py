@@ -115,11 +115,11 @@ class HangAlarm:
         now = time.time()
         progress_at, progress_what = self.progress()
         idle = time.monotonic() - progress_at
-        position = self.control.position if self.control is not None else None
+        position = self.control.heartbeat.position if self.control is not None else None
         main = threading.main_thread()
         stack = frames(sys._current_frames().get(main.ident or -1))
         state, where = locate(stack, position)
-        epoch, batches = self.control.progress if self.control is not None else (None, None)
+        epoch, batches = self.control.heartbeat.progress if self.control is not None else (None, None)
         before_batch = any(f[2] == BEFORE_BATCH for f in stack)
         step = self.step()
         head = [
@@ -193,11 +193,11 @@ class HangAlarm:
             present = [r for r in present if r >= self.rank]  # it never finished: summarise here instead
         try:
             reports = {r: json.loads(store.get(keys[r])) for r in present}
-            positions = self.control.read_positions(store) if self.control is not None else {}
+            positions = self.control.heartbeat.read_positions(store) if self.control is not None else {}
         except Exception as err:
             self._print_local(report, reason, err)
             return
-        stale = max(3.0, 4 * self.control.heartbeat_interval) if self.control is not None else 3.0
+        stale = max(3.0, 4 * self.control.heartbeat.interval) if self.control is not None else 3.0
         self.emit(
             summarize(reports, positions, self.world_size, trigger=reason, exit_code=self.exit_code, stale_after=stale)
         )

@@ -9,7 +9,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from .._compat.lightning import Callback, TrainerFn, add_callback, handle_signals_during_run, last_checkpoint_path, pl
+from .._compat.lightning import Callback, TrainerFn, add_callback, last_checkpoint_path, pl
+from .._compat.signals import handle_signals_during_run
 from ..control import ControlPlane, scaled_interval
 from ..options import StrategyOptions
 from ..preemption import KEYS as PREEMPTION_KEYS

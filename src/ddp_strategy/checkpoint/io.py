@@ -2,7 +2,7 @@
 
 Saving streams ``torch.save`` into a temporary file *in the destination directory* (so the final rename never
 crosses a filesystem), checksumming on the way (CRC-32, computed by a helper thread beside each large write while
-``torch.save``'s own zip CRCs are off; see :class:`~ddp_strategy.checkpoint.format.HashingWriter`) and starting the
+``torch.save``'s own zip CRCs are off; see :class:`~ddp_strategy.checkpoint.hashing.HashingWriter`) and starting the
 disk write of each part as soon as it is written (:class:`~ddp_strategy.checkpoint.atomic.EarlyWriteback`), appends
 the integrity record, ``fsync``s the file, ``os.replace``s it over the destination and ``fsync``s the directory.
 Until that rename, the previous file at the destination is untouched; after it, the new file is complete and
@@ -34,16 +34,8 @@ from .._compat.lightning import FIT_TAKES_WEIGHTS_ONLY, CheckpointIO, Checkpoint
 from ..errors import CheckpointIntegrityError, CheckpointWriteError, UnsafeCheckpointError
 from ..version import __version__
 from .atomic import EarlyWriteback, atomic_file
-from .format import (
-    CHECKSUM_ALGORITHM,
-    CHECKSUM_ALGORITHMS,
-    WRITEBACK_PIECE_BYTES,
-    HashingWriter,
-    IntegrityRecord,
-    filesystem,
-    verify,
-    write_footer,
-)
+from .format import IntegrityRecord, filesystem, verify, write_footer
+from .hashing import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, WRITEBACK_PIECE_BYTES, HashingWriter
 from .keys import WORLD_SIZE_KEY, package_state
 
 __all__ = ["FORCE_NO_WEIGHTS_ONLY", "FORCE_WEIGHTS_ONLY", "SafeCheckpointIO", "resolve_weights_only"]
@@ -103,7 +95,7 @@ def _zip_crcs_off() -> Iterator[None]:
     """Make ``torch.save`` skip the CRC-32 of each zip record while a checkpoint is written.
 
     The integrity record's CRC-32 of the whole payload is computed beside the write instead
-    (:class:`~ddp_strategy.checkpoint.format.HashingWriter` with ``parallel=True``), and ``torch.load`` never checks
+    (:class:`~ddp_strategy.checkpoint.hashing.HashingWriter` with ``parallel=True``), and ``torch.load`` never checks
     zip CRCs. torch's serialization settings are per thread (``torch.utils.serialization.config``), so a
     ``torch.save`` in another thread meanwhile is not affected; the calling thread's setting is restored after.
     """

@@ -34,6 +34,7 @@ SHARED_MODULES = frozenset(
         "_compat.torch",
         "checkpoint.atomic",
         "checkpoint.format",
+        "checkpoint.hashing",
         "checkpoint.keys",
         "consistency",
         "fork_safety",

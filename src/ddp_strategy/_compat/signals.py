@@ -1,0 +1,70 @@
+"""The preemption signals during a run: the strategy's handler takes them from Lightning's.
+
+It reaches the Trainer's signal connector (a private of Lightning's) through the Trainer it is given, whichever
+Lightning namespace that Trainer is of; it is loaded once per namespace, as :mod:`ddp_strategy._compat.lightning` is.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["handle_signals_during_run"]
+
+_SIGNALS_ATTR = "_ddp_strategy_signals"
+
+
+def handle_signals_during_run(
+    trainer: Any,
+    signals: Sequence[signal.Signals],
+    handler: Callable[[int], None],
+    after_restore: Callable[[], None],
+) -> None:
+    """For the next run of ``trainer``, let ``handler`` take ``signals`` from Lightning's handlers.
+
+    Lightning installs its handlers in ``trainer._run`` after the strategy's ``setup`` (its SIGTERM handler starts a
+    broadcast from inside the handler, which deadlocks against any collective in progress) and restores the
+    previous ones in ``trainer._teardown``. This wraps the Trainer's signal connector (once; later runs replace the
+    spec): after Lightning registered its handlers, each of ``signals`` calls ``handler(signum)`` and then the
+    handler the process had before the run (a user's own, when callable). After Lightning restored the handlers,
+    ``after_restore()`` runs, once.
+    """
+    connector = trainer._signal_connector
+    setattr(connector, _SIGNALS_ATTR, (tuple(signals), handler, after_restore))
+    if getattr(connector, "_ddp_strategy_wrapped", False):
+        return
+    register, teardown = connector.register_signal_handlers, connector.teardown
+
+    def register_signal_handlers() -> None:
+        register()
+        spec = getattr(connector, _SIGNALS_ATTR, None)
+        if spec is None or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in spec[0]:
+            before = connector._original_handlers.get(sig)
+            signal.signal(sig, _Composed(spec[1], before if callable(before) else None))
+
+    def restore_signal_handlers() -> None:
+        teardown()
+        spec = getattr(connector, _SIGNALS_ATTR, None)
+        setattr(connector, _SIGNALS_ATTR, None)
+        if spec is not None:
+            spec[2]()
+
+    connector.register_signal_handlers = register_signal_handlers
+    connector.teardown = restore_signal_handlers
+    connector._ddp_strategy_wrapped = True
+
+
+class _Composed:
+    """A signal handler: ours, then the one the process had before the run."""
+
+    def __init__(self, first: Callable[[int], None], then: Callable[..., Any] | None) -> None:
+        self.first, self.then = first, then
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.first(signum)
+        if self.then is not None:
+            self.then(signum, frame)

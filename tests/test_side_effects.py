@@ -5,6 +5,7 @@ strategy's threads."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -27,7 +28,14 @@ def changes(before: dict, after: dict) -> dict:
 def run(tmp_path, strategy: str) -> dict[int, dict]:
     out = tmp_path / strategy
     result = run_script([str(SCRIPTS / "side_effects.py"), "--strategy", strategy, "--out", str(out)], timeout=180)
-    assert result.returncode == 0 and not result.orphans, result.describe()
+    # Stock Lightning's rank 0 sometimes aborts at interpreter exit, after the snapshots were written (1 run in 4
+    # here: "terminate called without an active exception"; the cause in stock was not examined). SafeDDPStrategy
+    # must exit 0.
+    aborted_at_exit = result.returncode == -signal.SIGABRT and "terminate called without an active exception" in (
+        result.output
+    )
+    ok = result.returncode == 0 or (strategy == "ddp" and aborted_at_exit)
+    assert ok and not result.orphans, result.describe()
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 

@@ -35,6 +35,7 @@ def end_at_exit(ender: Callable[[], None]) -> None:
 
     """
     with _LOCK:
+        _ENDERS[:] = [ref for ref in _ENDERS if ref() is not None]  # one per stage: drop the ended ones
         _ENDERS.append(weakref.WeakMethod(ender))
 
 

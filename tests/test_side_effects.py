@@ -29,8 +29,8 @@ def run(tmp_path, strategy: str) -> dict[int, dict]:
     out = tmp_path / strategy
     result = run_script([str(SCRIPTS / "side_effects.py"), "--strategy", strategy, "--out", str(out)], timeout=180)
     # Stock Lightning's rank 0 sometimes aborts at interpreter exit, after the snapshots were written (1 run in 4
-    # here: "terminate called without an active exception"; the cause in stock was not examined). SafeDDPStrategy
-    # must exit 0.
+    # here: "terminate called without an active exception"; the cause: tests/proc.py stock_fit_finished).
+    # SafeDDPStrategy must exit 0.
     aborted_at_exit = result.returncode == -signal.SIGABRT and "terminate called without an active exception" in (
         result.output
     )

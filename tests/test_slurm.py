@@ -111,6 +111,31 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa)
 
 
+#: what a task printed when it aborted at interpreter exit (SIGABRT) after its run: stock Lightning destroys its
+#: process group at exit for NCCL only (tests/proc.py ``stock_fit_finished``); a stock task did it in CI on 2026-11-27
+ABORT_AT_EXIT = "terminate called without an active exception"
+
+
+def assert_ended_well(job: Job, record: dict[str, str], restarts: str, strategy: str, output: str) -> None:
+    """The job's last run ended with every task's exit code 0: COMPLETED, 0:0, ``restarts`` restarts. For stock
+    DDPStrategy a task may instead have aborted at interpreter exit after printing that it finished (the job is
+    then FAILED with 134:0, that task "signal 6"): accepted for the stock baseline only, never for safe_ddp."""
+    exits = job.task_exits()[-2:]
+    if strategy == "ddp" and (record["JobState"], record["ExitCode"]) == ("FAILED", "134:0"):
+        assert record["Restarts"] == restarts, job.describe()
+        for e in exits:
+            lines = "\n".join(lines_of(output, e.task))
+            finished = lines.find(f"slurm_train: rank {e.task} finished at step {FIT_STEPS}")
+            assert e.outcome == "exit code 0" or (
+                e.outcome == "signal 6" and 0 <= finished < lines.find(ABORT_AT_EXIT)
+            ), job.describe()
+        print(f"stock: a task aborted at interpreter exit after finishing: {exits}")
+        return
+    state = (record["JobState"], record["ExitCode"], record["Restarts"])
+    assert state == ("COMPLETED", "0:0", restarts), job.describe()
+    assert sorted((e.task, e.outcome) for e in exits) == [(0, "exit code 0"), (1, "exit code 0")], exits
+
+
 def assert_no_process_left(job: Job) -> None:
     assert not job.processes(), f"processes of job {job.id} left: {job.processes()}\n{job.describe()}"
 
@@ -140,9 +165,8 @@ def test_fit_completes_under_srun_with_slurm_environment(uninterrupted: Any, str
     """a. A plain fit: COMPLETED, exit code 0:0, every task exits 0; each rank got its rank from SLURM
     (SLURMEnvironment, SLURM_PROCID) and Lightning initialised 2 members; the weights are saved."""
     job, record, weights = uninterrupted(strategy)
-    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "0"), job.describe()
-    assert sorted((e.task, e.outcome) for e in job.task_exits()) == [(0, "exit code 0"), (1, "exit code 0")]
     output = job.output()
+    assert_ended_well(job, record, "0", strategy, output)
     name = "SafeDDPStrategy" if strategy == "safe_ddp" else "DDPStrategy"
     for rank in (0, 1):
         lines = "\n".join(lines_of(output, rank))
@@ -249,14 +273,16 @@ def requeue_with_usr1(cluster: Cluster, tmp_path: Path, strategy: str) -> tuple[
     return job, pending, final
 
 
-def assert_requeued_and_resumed(job: Job, pending: dict[str, str], final: dict[str, str]) -> tuple[str, str]:
-    """Requeued once (Restarts=1), pending for its BeginTime, then COMPLETED from hpc_ckpt_1.ckpt at step 8; the
-    output of the first and of the second run."""
+def assert_requeued_and_resumed(
+    job: Job, pending: dict[str, str], final: dict[str, str], strategy: str
+) -> tuple[str, str]:
+    """Requeued once (Restarts=1), pending for its BeginTime, then ended well (``assert_ended_well``) from
+    hpc_ckpt_1.ckpt at step 8; the output of the first and of the second run."""
     assert (pending["Restarts"], pending["Reason"]) == ("1", "BeginTime"), pending
-    assert (final["JobState"], final["ExitCode"], final["Restarts"]) == ("COMPLETED", "0:0", "1"), job.describe()
     output = job.output()
     first, _, second = output.partition(f"job.sh: run 1 of job {job.id} starts")
     assert second, job.describe()
+    assert_ended_well(job, final, "1", strategy, second)
     assert "Handling auto-requeue signal: 10" in first and f"Requeued SLURM job: {job.id}" in first, job.describe()
     hpc = job.directory / "hpc_ckpt_1.ckpt"
     assert f"Restored all states from the checkpoint at {hpc}" in second, job.describe()
@@ -278,7 +304,7 @@ def test_usr1_requeue_resumes_safe_ddp_to_the_uninterrupted_weights(
     sampler seen through the resume), and ends with the uninterrupted run's weights: max difference 0.0."""
     _, _, reference = uninterrupted("safe_ddp")
     job, pending, final = requeue_with_usr1(cluster, tmp_path, "safe_ddp")
-    first, second = assert_requeued_and_resumed(job, pending, final)
+    first, second = assert_requeued_and_resumed(job, pending, final, "safe_ddp")
     assert verify(str(tmp_path / "hpc_ckpt_1.ckpt")).global_step == 8
     for rank in (0, 1):
         lines = [line for line in lines_of(first, rank) if line.startswith("ddp_strategy: preempted:")]
@@ -303,13 +329,12 @@ def test_usr1_requeue_resumes_stock_ddp_to_other_weights(cluster: Cluster, unint
     ``Received SIGTERM`` and ``Bypassing SIGTERM``; its tasks then ended with exit code 0 here."""
     _, _, reference = uninterrupted("ddp")
     job, pending, final = requeue_with_usr1(cluster, tmp_path, "ddp")
-    first, second = assert_requeued_and_resumed(job, pending, final)
+    first, second = assert_requeued_and_resumed(job, pending, final, "ddp")
     for rank in (0, 1):
         assert f"[rank: {rank}] Received SIGTERM: 15" in "\n".join(lines_of(first, rank)), job.describe()
     assert "dataloader is not resumable" in second
     exits = [(e.task, e.outcome) for e in job.task_exits()]
     print(f"stock: task exits of the first run, then of the second: {exits}")
-    assert sorted(exits[2:]) == [(0, "exit code 0"), (1, "exit code 0")], exits
     assert max_abs_diff(reference, tmp_path / "final.pt") > 0.0
     assert_no_process_left(job)
 

@@ -57,6 +57,7 @@ import contextlib
 import functools
 import importlib
 import io
+import inspect
 import json
 import logging
 import os
@@ -917,6 +918,9 @@ def state_preemption(sim: Sim, timing: Timing) -> Outcome:
     watch = getattr(preemption, "NoticeWatch", None)  # one blocked store wait per rank (absent in older code)
 
     def agreement_of(r: Rank) -> Any:
+        if "start" in inspect.signature(make_agreement).parameters:  # boundary agreement: the watch acknowledges
+            notices = watch(r.control.connect(), rank=r.rank, renew=60.0)
+            return make_agreement(rank=r.rank, world_size=sim.world, start=preemption.train_position(100), watch=notices)
         if watch is None:
             return make_agreement(rank=r.rank, world_size=sim.world, poll_interval=HEARTBEAT)
         notices = watch(r.control.connect(), rank=r.rank, renew=60.0)  # as PreemptionHandling makes it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -15,10 +16,27 @@ from ddp_strategy.preemption import (
     NoticeWatch,
     Preempted,
     PreemptionAgreement,
+    evaluation_position,
     exit_code,
     parse_signals,
     stop_message,
+    train_position,
+    validation_position,
 )
+
+
+def agreements_with_watches(store: dist.Store, world_size: int, *, timeout: float = 30.0) -> list[PreemptionAgreement]:
+    """One agreement per simulated rank, each with its NoticeWatch (a thread) on ``store``, as PreemptionHandling."""
+    return [
+        PreemptionAgreement(
+            rank=r,
+            world_size=world_size,
+            start=train_position(0),
+            watch=NoticeWatch(store, rank=r, renew=3600),
+            timeout=timeout,
+        )
+        for r in range(world_size)
+    ]
 
 
 def lockstep(agreements: list[PreemptionAgreement], store: dist.Store, *, lag: dict[int, int], steps: int) -> dict:
@@ -37,50 +55,120 @@ def lockstep(agreements: list[PreemptionAgreement], store: dist.Store, *, lag: d
     return stopped
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("signalled", [[0], [1], [2], [0, 1, 2]])
 @pytest.mark.parametrize("lag", [{}, {1: 1}, {0: 1}])
 def test_every_rank_stops_at_the_same_step_whoever_got_the_signal(signalled, lag):
     store = dist.HashStore()
-    agreements = [PreemptionAgreement(rank=r, world_size=3, poll_interval=0.0) for r in range(3)]
+    agreements = agreements_with_watches(store, 3)
+    for step in range(1, 4):
+        assert not any(a.at_step_boundary(store, step) for a in agreements)
     for r in signalled:
         agreements[r].request(signal.SIGTERM)
     stopped = lockstep(agreements, store, lag=lag, steps=20)
     assert len(stopped) == 3 and len(set(stopped.values())) == 1, stopped
-    assert all(a.stop_step == stopped[0] for a in agreements)
+    assert all(a.stop_after == agreements[0].stop_after for a in agreements)
     for a in agreements:
         if a.received is None:  # learned it from the store: names a rank that got the signal
             assert re.fullmatch(r"SIGTERM on rank (\d) \(at step \d+\)", a.describe_cause()), a.describe_cause()
             assert a.notice is not None and a.notice.rank in signalled
 
 
-def test_a_rank_that_polls_late_still_stops_with_the_others():
-    store = dist.HashStore()
-    a0 = PreemptionAgreement(rank=0, world_size=2, poll_interval=0.0)
-    a1 = PreemptionAgreement(rank=1, world_size=2, poll_interval=3600.0)  # its next lookup is an hour away
-    a1._next_poll = 0.0
-    a1.at_step_boundary(store, 1)  # looked once, found nothing: the next lookup is an hour away
-    a0.request(signal.SIGUSR1)
-    assert not a0.at_step_boundary(store, 2)  # announced and acked; rank 1 has not acked
-    assert not a1.at_step_boundary(store, 2)  # not looking yet
-    assert a1.notice is None and a0.stop_step is None
-    a1._next_poll = 0.0  # its hour is up
-    assert not a1.at_step_boundary(store, 3)  # acks at 3: the stop is after step 4
-    assert a1.stop_step == 4
-    assert not a0.at_step_boundary(store, 3) and a0.at_step_boundary(store, 4) and a1.at_step_boundary(store, 4)
-    assert a1.exit_code() == a0.exit_code() == 128 + signal.SIGUSR1
+def run_ranks_freely(
+    agreements: list[PreemptionAgreement],
+    store: dist.Store,
+    positions: dict[int, list],
+    signal_at: tuple[int, int],
+    pace: dict[int, float] | None = None,
+) -> dict[int, tuple]:
+    """Each rank a thread passing its own ``positions`` (no collective between them, as in validation), taking
+    ``pace[r]`` seconds per batch; rank ``signal_at[0]`` gets SIGTERM after its ``signal_at[1]``-th boundary.
+    Returns where each stopped, and checks that none passed a boundary after the agreed one."""
+    stopped: dict[int, tuple] = {}
+    passed: dict[int, list] = {r: [] for r in positions}
+
+    def rank(r: int) -> None:
+        for i, position in enumerate(positions[r]):
+            passed[r].append(position)
+            if agreements[r].at_boundary(store, position, f"batch {position[3]}"):
+                stopped[r] = position
+                return
+            if (r, i) == signal_at:
+                agreements[r].request(signal.SIGTERM)
+            time.sleep((pace or {}).get(r, 0.0))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in positions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r, position in stopped.items():
+        assert position == min(p for p in positions[r] if p > agreements[r].stop_after), (r, position)
+        assert max(passed[r]) == position  # stopped at the first boundary after the agreed one, none later
+    return stopped
 
 
-def test_a_rank_past_the_agreed_step_is_named():
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signalled", [0, 1])
+def test_ranks_without_a_collective_between_boundaries_stop_at_one_batch(signalled):
+    """Validation batches: no collective keeps the ranks together, one rank runs far ahead (no waiting at all);
+    whoever gets the signal, both stop at the same batch and neither passed it."""
     store = dist.HashStore()
-    a = PreemptionAgreement(rank=0, world_size=1, poll_interval=0.0)
+    agreements = agreements_with_watches(store, 2)
+    batches = [validation_position(4, 0, b, sanity=False) for b in range(1000)]
+    pace = {0: 0.004, 1: 0.001}  # rank 1 runs four times as fast
+    stopped = run_ranks_freely(agreements, store, {0: batches, 1: batches}, signal_at=(signalled, 30), pace=pace)
+    assert stopped[0] == stopped[1], stopped
+
+
+@pytest.mark.timeout(60)
+def test_ranks_with_different_batch_counts_stop_at_the_same_point_of_the_sequence():
+    """Exact evaluation: rank 1 has 3 batches, rank 0 has 400; the loop's end is a boundary of both. A signal on
+    rank 1 after its first batch stops it at its loop end and rank 0 at its first batch after the agreed one (both
+    before the loop's end collectives)."""
+    store = dist.HashStore()
+    agreements = agreements_with_watches(store, 2)
+    end = evaluation_position(2**31 - 1, 0)
+    positions = {
+        0: [*(evaluation_position(0, b) for b in range(400)), end],
+        1: [*(evaluation_position(0, b) for b in range(3)), end],
+    }
+    stopped = run_ranks_freely(agreements, store, positions, signal_at=(1, 0), pace={0: 0.001, 1: 0.02})
+    assert stopped[1] == end and stopped[0] < end, stopped
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_whose_peers_never_acknowledge_fails_naming_the_wait():
+    store = dist.HashStore()
+    watch = NoticeWatch(store, rank=0, renew=3600)  # rank 1 has no watch: it never acknowledges
+    a = PreemptionAgreement(rank=0, world_size=2, start=train_position(0), watch=watch, timeout=0.5)
     a.request(signal.SIGTERM)
-    assert not a.at_step_boundary(store, 3)
-    with pytest.raises(DDPStrategyError, match=r"Rank 0 is at step 9, past the step 4 .* SIGTERM on rank 0"):
-        a.at_step_boundary(store, 9)
+    assert not a.at_step_boundary(store, 3)  # publishes and acknowledges
+    with pytest.raises(DDPStrategyError, match=r"Rank 0 waited 0 s .* SIGTERM on rank 0 \(at step 3\): 1 of 2 rank"):
+        a.at_step_boundary(store, 4)
+    watch.close()
+
+
+def test_an_agreement_of_several_ranks_needs_a_watch():
+    with pytest.raises(ValueError, match="needs a NoticeWatch"):
+        PreemptionAgreement(rank=0, world_size=2, start=train_position(0))
+
+
+def test_positions_order_the_boundaries_of_a_fit():
+    sequence = [
+        train_position(3),  # the start of a fit resumed at step 3
+        validation_position(3, 0, 0, sanity=True),
+        validation_position(3, 1, 5, sanity=True),
+        train_position(4),
+        validation_position(4, 0, 0, sanity=False),
+        validation_position(4, 0, 2**31 - 1, sanity=False),
+        train_position(5),
+    ]
+    assert sequence == sorted(sequence) and len(set(sequence)) == len(sequence)
 
 
 def test_only_the_first_signal_counts():
-    a = PreemptionAgreement(rank=0, world_size=1)
+    a = PreemptionAgreement(rank=0, world_size=1, start=train_position(0))
     a.request(signal.SIGUSR1)
     a.request(signal.SIGTERM)
     assert a.received == signal.SIGUSR1
@@ -97,10 +185,15 @@ def test_signals_are_parsed_and_bad_ones_named():
 
 def test_exit_code_and_message():
     assert exit_code(signal.SIGTERM) == 143
-    a = PreemptionAgreement(rank=1, world_size=2)
+    store = dist.HashStore()
+    a = PreemptionAgreement(rank=1, world_size=1, start=train_position(0))
     a.request(signal.SIGTERM)
-    text = stop_message(a, step=7, path="/ckpt/last.ckpt", resume='"last"', world_size=2)
-    assert text.startswith("ddp_strategy: preempted: rank 1 received SIGTERM; all 2 rank(s) stopped after step 7 (")
+    assert not a.at_step_boundary(store, 6) and a.at_step_boundary(store, 7)
+    outcome = 'saved /ckpt/last.ckpt; resume with trainer.fit(..., ckpt_path="last")'
+    text = stop_message(a, stopped="after step 7", outcome=outcome, world_size=2)
+    assert text.startswith(
+        "ddp_strategy: preempted: rank 1 received SIGTERM at step 6; all 2 rank(s) stopped after step 7 ("
+    )
     assert text.endswith(
         'saved /ckpt/last.ckpt; resume with trainer.fit(..., ckpt_path="last"). Exiting with code 143 (SIGTERM).'
     )
@@ -158,7 +251,7 @@ def test_a_signal_that_led_to_no_stop_is_delivered_again():
     from ddp_strategy.callbacks.preemption_stop import PreemptionStop
 
     strategy = SafeDDPStrategy(preemption_signals=["SIGUSR1"])
-    agreement = PreemptionAgreement(rank=0, world_size=1)
+    agreement = PreemptionAgreement(rank=0, world_size=1, start=train_position(0))
     agreement.request(signal.SIGUSR1)  # received after the ranks' last agreement: no stop happened
     strategy._preemption.stop = PreemptionStop(agreement, lambda: None, lambda: None)
     seen: list[int] = []
@@ -278,34 +371,40 @@ def _await(condition, seconds: float = 5.0) -> None:
 @pytest.mark.timeout(60)
 def test_with_watches_no_store_work_per_step_before_a_signal_and_every_rank_learns_at_once():
     """Issue 32: each rank's NoticeWatch blocks in one store wait; the training thread reads no store per step before
-    a signal, and learns of rank 1's signal within milliseconds although its own lookup would be an hour away."""
+    a signal. After rank 1's signal, the watches of ranks 0 and 2 acknowledge for them at once (at step 50, the last
+    boundary they passed): every rank stops at the first boundary after 51, with O(1) store work per rank."""
     inner = dist.HashStore()
     store = _CountingStore(inner)
-    watches = [NoticeWatch(inner, rank=r, renew=3600) for r in range(3)]
-    agreements = [PreemptionAgreement(rank=r, world_size=3, poll_interval=3600.0, watch=watches[r]) for r in range(3)]
+    agreements = agreements_with_watches(inner, 3)
+    watches = [a.watch for a in agreements]
     for step in range(1, 51):
         assert not any(a.at_step_boundary(store, step) for a in agreements)
     assert store.ops == 0  # 150 step boundaries, no store operation
     agreements[1].request(signal.SIGTERM)
     assert not agreements[1].at_step_boundary(store, 51)  # publishes the notice and acks
-    _await(lambda: all(w.notice is not None for w in watches))  # the store woke every watch
+    _await(lambda: all(w is not None and w.notice is not None for w in watches))  # the store woke every watch
     stopped: dict[int, int] = {}
-    for step in range(52, 60):  # lockstep from the next boundary on: ranks 0 and 2 ack at 52
+    for step in range(51, 60):  # ranks 0 and 2 reach 51 now; everyone stops at 52
         for a in agreements:
-            if a.rank not in stopped and a.at_step_boundary(store, step):
+            if a.rank not in stopped and not (a.rank == 1 and step == 51) and a.at_step_boundary(store, step):
                 stopped[a.rank] = step
-    assert stopped == {0: 53, 1: 53, 2: 53}  # max(acks 51, 52, 52) + 1
-    assert store.ops <= 3 * 6  # per rank: publish or read the notice, append, count, stop-step lookups at 52-53
-    assert all(not w.thread.is_alive() for w in watches)
+    assert stopped == {0: 52, 1: 52, 2: 52}  # the first boundary after max(acks 50, 51, 50)
+    # the training threads: rank 1 publishes and acks (3; 5 when its ack is the last and it writes the stop),
+    # each rank waits for the stop and reads it (2); the watches' acks go through their own connections
+    assert store.ops <= 5 + 2 * 3
+    assert all(w is not None and not w.thread.is_alive() for w in watches)
 
 
 @pytest.mark.timeout(60)
 def test_a_watch_ends_when_the_run_ends_without_a_notice():
     inner = dist.HashStore()
     watches = [NoticeWatch(inner, rank=r, renew=3600) for r in range(2)]
+    for w in watches:
+        w.start()
     NoticeWatch.close_for_all(inner)
     _await(lambda: not any(w.thread.is_alive() for w in watches))
     assert all(w.notice is None for w in watches)
     late = NoticeWatch(inner, rank=2, renew=3600)  # a watch started after the end sees the end at once
+    late.start()
     _await(lambda: not late.thread.is_alive())
     assert late.notice is None

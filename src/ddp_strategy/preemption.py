@@ -1,31 +1,32 @@
-"""Preemption: a signal that reaches any subset of ranks stops every rank at one agreed step, with a checkpoint.
+"""Preemption: a signal that reaches any subset of ranks stops every rank at one agreed boundary.
 
 Schedulers stop jobs with SIGTERM (SLURM's ``scancel``, Kubernetes, spot instances; SLURM can send SIGUSR1 first
 with ``--signal``). The signal reaches every rank, or some of them, at different moments, while they are inside
 different collectives. Any collective started from a signal handler (Lightning's own SIGTERM handler broadcasts)
 meets an unrelated collective of another rank and the job deadlocks.
 
-Here the handler only records the signal. At each optimizer-step boundary (a training batch end at which
-``global_step`` moved) the training thread runs :meth:`PreemptionAgreement.at_step_boundary`, which uses the
-control plane's rendezvous store and never a collective:
+Here the handler only records the signal. The ranks agree on a *boundary* to stop at: an optimizer step's end in
+training, a batch's end in validation (inside ``fit`` too), test and prediction. Every rank passes the same
+sequence of boundaries, each named by a :data:`Position` (a tuple, compared in order; see :func:`train_position`,
+:func:`validation_position`, :func:`evaluation_position`). The agreement uses the control plane's rendezvous store
+and never a collective:
 
-1. a rank that received a signal publishes it; every rank learns of it from a :class:`NoticeWatch`, a thread
-   blocked in one store ``wait`` for that key (no polling: the store wakes it when the key is set, so every rank
-   learns within milliseconds); without a watch, a rank looks for the key at most once per ``poll_interval``
-   seconds (one store lookup);
-2. every rank that knows of the signal appends an *ack* holding its step to one key and counts itself in; the rank
-   whose ack completes the count reads the acks once and writes the stop step, ``max(acks) + 1``, to one key;
-3. from its ack on, every rank looks for that key at every step boundary (one lookup), and stops there. With
-   watches, every rank acks within about a step of the first, so this lasts a step or two.
+1. at its next boundary, a rank that received a signal publishes it (one key);
+2. every rank learns of it from its :class:`NoticeWatch`, a thread blocked in one store ``wait`` for that key (no
+   polling: the store wakes it within milliseconds), and *acknowledges* for the rank, from the watch thread: it
+   appends the last boundary the rank passed to one key and counts itself in; the rank whose ack completes the
+   count reads the acks once and writes their maximum ``M`` to one key (the signalled rank acks at the boundary
+   where it publishes);
+3. every rank stops at the first boundary after ``M``. A rank reaching a boundary after its own ack before ``M`` is
+   known blocks there, in one store ``wait``, until it is: the acks come from the watch threads, whatever the
+   training threads do, so this wait lasts milliseconds and cannot deadlock against a collective.
 
-Each rank does O(1) store operations per agreement, whatever the world size, and none per step before a signal.
+Why no rank has passed the first boundary after ``M`` when ``M`` is known: each rank acked at a boundary ``a <= M``
+and has passed at most the next one (it blocks there), which is at most the first boundary after ``M``. This
+needs no collective between the boundaries (validation, test and prediction have none); it needs every rank to
+pass the same sequence of boundaries, which DDP needs too.
 
-Why every rank reaches that step and none has passed it: completing an optimizer step needs every rank's gradients
-of that step (DDP's all-reduce), so when the last rank acks at step ``a`` (and writes the stop step before its step
-``a`` ends), no rank can be past step ``a + 1``, and each rank reads the stop step at a step boundary no later than
-``a + 1 <= max(acks) + 1``. This holds
-for every optimizer step that synchronizes gradients (automatic optimization, gradient accumulation included);
-manual optimization that steps without any collective gives no such bound (the stop is then named, not silent).
+Each rank does O(1) store operations per agreement, whatever the world size, and none per boundary before a signal.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,11 +47,15 @@ from .store import Store
 __all__ = [
     "DEFAULT_PREEMPTION_SIGNALS",
     "NoticeWatch",
+    "Position",
     "Preempted",
     "PreemptionAgreement",
+    "evaluation_position",
     "exit_code",
     "parse_signals",
     "stop_message",
+    "train_position",
+    "validation_position",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,12 +64,44 @@ log = logging.getLogger(__name__)
 DEFAULT_PREEMPTION_SIGNALS: tuple[str, ...] = ("SIGTERM",)
 
 _SIGNAL_KEY = "preempt/signal"
-_ACKS_KEY = "preempt/acks"  # every rank appends the step it acknowledged at
-_ACK_COUNT_KEY = "preempt/ack-count"  # how many ranks acknowledged; the one that makes it W decides the stop step
-_STOP_KEY = "preempt/stop-step"  # the agreed stop step, written once
+_ACKS_KEY = "preempt/acks"  # every rank appends the boundary it acknowledged at
+_ACK_COUNT_KEY = "preempt/ack-count"  # how many ranks acknowledged; the one that makes it W decides the stop
+_STOP_KEY = "preempt/stop-after"  # the largest acknowledged boundary: every rank stops at the first one after it
 _CLOSED = "closed"  # the signal key's value once a run ended without a notice: wakes every rank's watch
 #: the keys of the agreement (deleted with the control plane's namespace at its close)
 KEYS = (_SIGNAL_KEY, _ACKS_KEY, _ACK_COUNT_KEY, _STOP_KEY)
+
+#: A boundary where ranks may stop, compared in order: ``(global step, phase, dataloader index, batch index)``.
+Position = tuple[int, int, int, int]
+
+_TRAIN, _SANITY, _VALIDATION, _EVALUATION = 0, 1, 2, 3
+
+
+def train_position(step: int) -> Position:
+    """The end of the optimizer step that made ``global_step`` ``step`` (also the start of a ``fit`` at ``step``)."""
+    return (step, _TRAIN, 0, 0)
+
+
+def validation_position(step: int, dataloader_idx: int, batch_idx: int, *, sanity: bool) -> Position:
+    """The end of a validation batch inside ``fit`` at ``global_step`` ``step`` (in the sanity check: ``sanity``).
+
+    It comes after :func:`train_position` ``(step)`` and before ``(step + 1)``; the sanity check before validation.
+    """
+    return (step, _SANITY if sanity else _VALIDATION, dataloader_idx, batch_idx)
+
+
+def evaluation_position(dataloader_idx: int, batch_idx: int) -> Position:
+    """The end of a batch of ``validate``, ``test`` or ``predict`` (``batch_idx`` -1: the start of the loop)."""
+    return (0, _EVALUATION, dataloader_idx, batch_idx)
+
+
+def _encode(position: Position) -> str:
+    return ",".join(str(v) for v in position)
+
+
+def _decode(text: str) -> Position:
+    a, b, c, d = (int(v) for v in text.split(","))
+    return (a, b, c, d)
 
 
 def parse_signals(signals: Iterable[str | int] | None) -> tuple[signal.Signals, ...]:
@@ -115,13 +152,15 @@ class Preempted(SystemExit):
 
     Attributes:
         signal_name: the signal that caused the stop, e.g. ``"SIGTERM"``.
-        step: the optimizer step every rank stopped after (``trainer.global_step`` of the checkpoint).
-        path: the checkpoint written at that step, or ``None`` when none could be.
+        step: in ``fit``, the training position of the checkpoint (its ``global_step``); else ``None``.
+        path: the checkpoint written, or ``None`` (none could be, or the stage saves none: see the message).
         message: the line printed on every rank.
 
     """
 
-    def __init__(self, message: str, *, signal_name: str, code: int, step: int, path: str | None) -> None:
+    def __init__(
+        self, message: str, *, signal_name: str, code: int, step: int | None = None, path: str | None = None
+    ) -> None:
         super().__init__(code)
         self.message = message
         self.signal_name = signal_name
@@ -134,29 +173,29 @@ class Preempted(SystemExit):
 
 @dataclass(frozen=True)
 class _Notice:
-    """Who received which signal, at which step (the value of the signal key)."""
+    """Who received which signal, where (the value of the signal key)."""
 
     rank: int
     signal_name: str
-    step: int
+    where: str  # the boundary it was published at, for messages: "step 5", "test batch 12"
     time: float  # when the signal was received (time.time() on that rank)
 
     def to_json(self) -> str:
-        return json.dumps({"rank": self.rank, "signal": self.signal_name, "step": self.step, "time": self.time})
+        return json.dumps({"rank": self.rank, "signal": self.signal_name, "where": self.where, "time": self.time})
 
     @classmethod
     def from_json(cls, raw: bytes) -> _Notice:
         data = json.loads(raw)
-        return cls(int(data["rank"]), str(data["signal"]), int(data["step"]), float(data["time"]))
+        return cls(int(data["rank"]), str(data["signal"]), str(data["where"]), float(data["time"]))
 
 
 class NoticeWatch:
     """A thread blocked in one store ``wait`` for the signal key; :attr:`notice` is set when a rank publishes one.
 
-    No polling: the store wakes the wait when the key is set, so the training thread learns of a signal on another
-    rank by reading an attribute. The wait is renewed every ``renew`` seconds (one store operation). The thread
-    ends when the key is set (a notice, or :meth:`close_for_all` at the end of a run), after :meth:`close` at its
-    next renewal, or when the store fails (its host is gone).
+    No polling: the store wakes the wait when the key is set, so the rank learns of a signal on another rank within
+    milliseconds, whatever its training thread is doing. The wait is renewed every ``renew`` seconds (one store
+    operation). The thread ends when the key is set (a notice, or :meth:`close_for_all` at the end of a run), after
+    :meth:`close` at its next renewal, or when the store fails (its host is gone).
 
     Args:
         store: a connection of its own (a blocking ``wait`` holds it), to the run's store namespace.
@@ -173,7 +212,12 @@ class NoticeWatch:
         self._waker = waker
         self._renew = timedelta(seconds=renew)
         self._closed = False
+        self._on_notice: Callable[[_Notice, Store], None] | None = None
         self.thread = threading.Thread(target=self._run, name=f"ddp_strategy-preemption-watch-rank{rank}", daemon=True)
+
+    def start(self, on_notice: Callable[[_Notice, Store], None] | None = None) -> None:
+        """Start the thread; it calls ``on_notice(notice, its store connection)`` when it sees a notice."""
+        self._on_notice = on_notice
         self.thread.start()
         end_at_exit(self.end_at_exit)
 
@@ -187,8 +231,14 @@ class NoticeWatch:
                 log.debug("ddp_strategy: the preemption watch ends: %s", err)
                 return
             value = self._store.get(_SIGNAL_KEY)
-            if value.decode() != _CLOSED:
-                self.notice = _Notice.from_json(value)
+            if value.decode() == _CLOSED:
+                return
+            self.notice = _Notice.from_json(value)
+            if self._on_notice is not None:
+                try:
+                    self._on_notice(self.notice, self._store)
+                except Exception as err:  # this rank's next boundary then fails after its timeout, naming the wait
+                    log.warning("ddp_strategy: rank could not acknowledge the preemption notice: %r", err)
             return
 
     def close(self) -> None:
@@ -221,35 +271,50 @@ class NoticeWatch:
 
 
 class PreemptionAgreement:
-    """One rank's side of the agreement on a stop step (see the module docstring).
+    """One rank's side of the agreement on a boundary to stop at (see the module docstring).
 
     Args:
         rank: this rank.
         world_size: the number of ranks.
-        poll_interval: without ``watch``: seconds between two lookups of the signal key by a rank that received
-            no signal.
-        watch: the thread that learns of a published notice (then the training thread reads no store for it).
+        start: the position the rank starts from (the boundary it last passed).
+        watch: the thread that learns of a published notice and acknowledges for this rank; needed with several
+            ranks (it is what lets a rank wait for the agreement without a deadlock).
+        timeout: seconds a rank waits at a boundary for the other ranks' acknowledgements before it fails.
+
+    Raises:
+        ValueError: several ranks and no ``watch``.
 
     """
 
     def __init__(
-        self, *, rank: int, world_size: int, poll_interval: float = 1.0, watch: NoticeWatch | None = None
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        start: Position,
+        watch: NoticeWatch | None = None,
+        timeout: float = 300.0,
     ) -> None:
+        if world_size > 1 and watch is None:
+            raise ValueError(f"a preemption agreement of {world_size} ranks needs a NoticeWatch per rank")
         self.rank = rank
         self.world_size = world_size
-        self.poll_interval = poll_interval
+        self.timeout = timeout
         self.watch = watch
-        #: The signal this rank received (set by the signal handler), and when.
+        #: The signal this rank received (set by the signal handler), when, and the boundary it published it at.
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
-        self.received_at_step: int | None = None
+        self.received_where: str | None = None
         #: The first notice this rank learned of (its own or another rank's).
         self.notice: _Notice | None = None
-        #: The step every rank stops after, once agreed.
-        self.stop_step: int | None = None
-        self._announced = False
-        self._acked = False
-        self._next_poll = 0.0
+        #: The largest acknowledged boundary, once agreed: every rank stops at the first boundary after it.
+        self.stop_after: Position | None = None
+        # between the training thread (position) and the watch thread (the ack)
+        self._lock = threading.Lock()
+        self._position = start
+        self._acked_at: Position | None = None
+        if watch is not None:
+            watch.start(self._ack_for_watch)
 
     # ------------------------------------------------------------------ signal handler side
     def request(self, signum: int) -> None:
@@ -264,74 +329,89 @@ class PreemptionAgreement:
         return self.received is not None or self.notice is not None
 
     # ------------------------------------------------------------------ training thread side
-    def at_step_boundary(self, store: Store, step: int) -> bool:
-        """Advance the agreement at an optimizer-step boundary; ``True`` when every rank stops here (after ``step``).
+    def at_boundary(self, store: Store, position: Position, where: str) -> bool:
+        """Pass a boundary; ``True`` when every rank stops here.
+
+        Before any signal this takes a lock and reads two attributes: no store operation.
+
+        Args:
+            store: the run's store namespace (the training thread's connection).
+            position: this boundary; larger than the last one passed.
+            where: the boundary in words, for messages (``"step 5"``, ``"test batch 12"``).
 
         Raises:
-            DDPStrategyError: this rank is already past the agreed stop step (its optimizer steps do not
-                synchronize with the other ranks, e.g. manual optimization without a collective).
+            DDPStrategyError: the other ranks did not acknowledge within ``timeout`` seconds.
 
         """
-        if self.stop_step is not None:
-            return self._reached(step)
-        if not self._acked:
-            if self.received is not None and not self._announced:
-                self.received_at_step = step
-                notice = _Notice(self.rank, self.received.name, step, self.received_at or time.time())
-                store.set(_SIGNAL_KEY, notice.to_json())  # the first publisher's value may be overwritten: fine
+        with self._lock:
+            self._position = position
+            acked_at = self._acked_at
+            if self.received is not None and self.received_where is None:
+                self.received_where = where
+            if acked_at is None and self.received is not None:  # publish this rank's own signal, and ack here
+                self.notice = _Notice(self.rank, self.received.name, where, self.received_at or time.time())
+                store.set(_SIGNAL_KEY, self.notice.to_json())  # another rank's earlier value may be replaced: fine
+                self._ack(store, position)
+                acked_at = position
+        stop_after = self.stop_after
+        if stop_after is None:
+            if acked_at is None or acked_at == position:
+                return False
+            stop_after = self._await_stop(store)  # past the boundary of its ack: no further before the agreement
+        return position > stop_after
+
+    def at_step_boundary(self, store: Store, step: int) -> bool:
+        """:meth:`at_boundary` at the end of the optimizer step that made ``global_step`` ``step``."""
+        return self.at_boundary(store, train_position(step), f"step {step}")
+
+    def _ack(self, store: Store, position: Position) -> None:
+        """Acknowledge at ``position`` (under the lock); the last rank to do so writes the largest acknowledged."""
+        store.append(_ACKS_KEY, _encode(position) + "\n")
+        if int(store.add(_ACK_COUNT_KEY, 1)) == self.world_size:
+            acks = [_decode(v) for v in store.get(_ACKS_KEY).decode().split()]
+            store.compare_set(_STOP_KEY, "", _encode(max(acks)))
+        self._acked_at = position
+
+    def _ack_for_watch(self, notice: _Notice, store: Store) -> None:
+        """Run by the watch thread when it sees a notice: acknowledge at the last boundary the rank passed."""
+        with self._lock:
+            if self.notice is None:
                 self.notice = notice
-                self._announced = True
-            elif self.notice is None and self.watch is not None:
-                if self.watch.notice is None:
-                    return False
-                self.notice = self.watch.notice
-            elif self.notice is None:
-                now = time.monotonic()
-                if now < self._next_poll:
-                    return False
-                self._next_poll = now + self.poll_interval
-                if not store.check([_SIGNAL_KEY]):
-                    return False
-                self.notice = _Notice.from_json(store.get(_SIGNAL_KEY))
-            store.append(_ACKS_KEY, f"{step}\n")
-            if int(store.add(_ACK_COUNT_KEY, 1)) == self.world_size:  # the last to acknowledge decides for all
-                steps = [int(v) for v in store.get(_ACKS_KEY).decode().split()]
-                store.compare_set(_STOP_KEY, "", str(max(steps) + 1))
-            self._acked = True
-        if not store.check([_STOP_KEY]):  # one key per step boundary until agreed, whatever the world size
-            return False
-        self.stop_step = int(store.get(_STOP_KEY))
-        return self._reached(step)
+            if self._acked_at is None:
+                self._ack(store, self._position)
+
+    def _await_stop(self, store: Store) -> Position:
+        try:
+            store.wait([_STOP_KEY], timedelta(seconds=self.timeout))
+        except Exception as err:
+            if "imeout" not in str(err):
+                raise
+            acked = int(store.add(_ACK_COUNT_KEY, 0))
+            raise DDPStrategyError(
+                f"Rank {self.rank} waited {self.timeout:.0f} s for the ranks to agree where to stop after "
+                f"{self.describe_cause()}: {acked} of {self.world_size} rank(s) acknowledged it. The others' "
+                "preemption watch did not run (a rank stuck or gone?); see the other ranks' output."
+            ) from err
+        self.stop_after = _decode(store.get(_STOP_KEY).decode())
+        return self.stop_after
 
     def learn(self, store: Store) -> None:
         """Read which rank announced which signal, when this rank has not learned it yet (for messages)."""
         if self.notice is None and store.check([_SIGNAL_KEY]):
-            self.notice = _Notice.from_json(store.get(_SIGNAL_KEY))
-
-    def _reached(self, step: int) -> bool:
-        assert self.stop_step is not None
-        if step > self.stop_step:
-            raise DDPStrategyError(
-                f"Rank {self.rank} is at step {step}, past the step {self.stop_step} the ranks agreed to stop after "
-                f"because of {self.describe_cause()}: its optimizer steps do not wait for the other ranks (manual "
-                "optimization without a collective?), so no common stop step exists and no checkpoint was written. "
-                "Synchronize the ranks at every optimizer step, or pass SafeDDPStrategy(preemption_signals=None)."
-            )
-        return step == self.stop_step
+            value = store.get(_SIGNAL_KEY)
+            if value.decode() != _CLOSED:
+                self.notice = _Notice.from_json(value)
 
     def describe_cause(self) -> str:
         """``"SIGTERM on rank 1 (at step 5)"``, or what is known of it."""
         notice = self.notice
         if notice is None:
             return f"{self.received.name} on rank {self.rank}" if self.received is not None else "a signal"
-        return f"{notice.signal_name} on rank {notice.rank} (at step {notice.step})"
+        return f"{notice.signal_name} on rank {notice.rank} (at {notice.where})"
 
     def exit_code(self) -> int:
         """The exit code for the signal that caused the stop (this rank's own, else the announcing rank's)."""
-        if self.received is not None:
-            return exit_code(self.received)
-        name = self.notice.signal_name if self.notice is not None else "SIGTERM"
-        return exit_code(signal.Signals[name])
+        return exit_code(signal.Signals[self.signal_name()])
 
     def signal_name(self) -> str:
         """The name of the signal that caused the stop."""
@@ -340,23 +420,26 @@ class PreemptionAgreement:
         return self.notice.signal_name if self.notice is not None else "SIGTERM"
 
 
-def stop_message(agreement: PreemptionAgreement, *, step: int, path: str | None, resume: str, world_size: int) -> str:
-    """The line every rank prints when it stops (``resume``: the ``ckpt_path`` to pass, e.g. ``'"last"'``)."""
+def stop_message(agreement: PreemptionAgreement, *, stopped: str, outcome: str, world_size: int) -> str:
+    """The line every rank prints when it stops.
+
+    Args:
+        agreement: this rank's agreement (who received what, when).
+        stopped: where every rank stopped, e.g. ``"after step 7"``, ``"after test batch 12"``.
+        outcome: what was saved and what to do, e.g. ``'saved PATH; resume with trainer.fit(..., ckpt_path="last")'``.
+        world_size: the number of ranks.
+
+    """
     if agreement.received is not None:
-        at = f" at step {agreement.received_at_step}" if agreement.received_at_step is not None else ""
+        at = f" at {agreement.received_where}" if agreement.received_where is not None else ""
         own = f"rank {agreement.rank} received {agreement.received.name}{at}"
     else:
         own = f"rank {agreement.rank} stops for {agreement.describe_cause()}"
-    saved = (
-        f"saved {path}; resume with trainer.fit(..., ckpt_path={resume})"
-        if path is not None
-        else "no checkpoint was written"
-    )
     since = agreement.received_at if agreement.received_at is not None else None
     if since is None and agreement.notice is not None:
         since = agreement.notice.time
     after = f" ({time.time() - since:.1f} s after the signal)" if since is not None else ""
     return (
-        f"ddp_strategy: preempted: {own}; all {world_size} rank(s) stopped after step {step}{after} and {saved}. "
+        f"ddp_strategy: preempted: {own}; all {world_size} rank(s) stopped {stopped}{after} and {outcome}. "
         f"Exiting with code {agreement.exit_code()} ({agreement.signal_name()})."
     )

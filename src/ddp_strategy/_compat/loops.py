@@ -13,6 +13,7 @@ they are instances of Lightning's private result classes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import import_module
@@ -39,6 +40,10 @@ __all__ = [
     "install_exact_loops",
     "mark_entry_current",
     "new_result_entry",
+    "pass_loop_end_boundary",
+    "repeat_validation_on_resume",
+    "validation_progress_state",
+    "validation_runs_after_this_batch",
 ]
 
 
@@ -132,6 +137,7 @@ class ExactEvaluationLoop(_EmptyShardMixin, EvaluationLoop):
 
     @override
     def on_run_end(self) -> list[Any]:
+        pass_loop_end_boundary(self.trainer)
         coordinator = _coordinator(self.trainer)
         if coordinator is not None:
             several = self._is_sequential and self.num_dataloaders > 1
@@ -168,6 +174,7 @@ class ExactPredictionLoop(_EmptyShardMixin, PredictionLoop):
 
     @override
     def on_run_end(self) -> Any:
+        pass_loop_end_boundary(self.trainer)
         results = super().on_run_end()
         coordinator = _coordinator(self.trainer)
         if coordinator is None or results is None:
@@ -252,3 +259,54 @@ def mark_entry_current(entry: Any) -> None:
     entry.has_reset = False
     entry._computed = None
     entry._update_count = max(entry._update_count, 1)
+
+
+#: The extra callback hook the exact loops call (see :func:`pass_loop_end_boundary`).
+LOOP_END_HOOK = "on_loop_batches_done"
+
+
+def pass_loop_end_boundary(trainer: pl.Trainer) -> None:
+    """Call ``on_loop_batches_done(trainer)`` on each callback that has it: this rank's batches of the loop are done.
+
+    With uneven shards ranks run different numbers of batches; this is a point every rank passes once, before the
+    loop's end collectives (the preemption stop agrees on it, see ``PreemptionStop``).
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        hook = getattr(callback, LOOP_END_HOOK, None)
+        if callable(hook):
+            hook(trainer)
+
+
+def _validation_progress(trainer: pl.Trainer) -> Any:
+    return trainer.fit_loop.epoch_loop.val_loop.batch_progress
+
+
+def validation_progress_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The batch counters of ``fit``'s validation loop (a copy), e.g. as they are when a validation starts."""
+    return copy.deepcopy(_validation_progress(trainer).state_dict())
+
+
+def repeat_validation_on_resume(trainer: pl.Trainer, before: dict[str, Any]) -> None:
+    """Set ``fit``'s validation counters so that a checkpoint saved now makes the resumed run repeat this validation.
+
+    ``before`` is :func:`validation_progress_state` at the start of the validation. The counters become those of a
+    validation that started its first batch and completed none: Lightning's restart then runs the validation loop
+    again from its first batch (>= 2.5: "restarted mid-evaluation"; 2.4 runs a due validation on every restart),
+    before the next training batch.
+    """
+    state = {
+        "total": dict(before["total"]),
+        "current": {k: 0 if isinstance(v, int) else v for k, v in before["current"].items()},
+        **{k: v for k, v in before.items() if k not in ("total", "current")},
+    }
+    state["total"]["ready"] = state["total"]["completed"] + 1
+    state["total"]["started"] = state["total"]["completed"] + 1
+    state["total"]["processed"] = state["total"]["completed"]
+    _validation_progress(trainer).load_state_dict(state)
+
+
+def validation_runs_after_this_batch(trainer: pl.Trainer) -> bool:
+    """In ``on_train_batch_end``: whether ``fit`` validates after this training batch (Lightning's own decision)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and bool(epoch_loop._should_check_val_fx(fetcher))

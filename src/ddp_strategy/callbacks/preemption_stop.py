@@ -1,39 +1,75 @@
-"""``PreemptionStop``: the training-loop side of :mod:`ddp_strategy.preemption`, added by ``SafeDDPStrategy``."""
+"""``PreemptionStop``: the loops' side of :mod:`ddp_strategy.preemption`, added by ``SafeDDPStrategy``."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, NoReturn
 
 from typing_extensions import override
 
-from .._compat.lightning import Callback, TrainerFn, add_callback, last_checkpoint_path, pl
+from .._compat.lightning import (
+    Callback,
+    TrainerFn,
+    add_callback,
+    collect_rng_states,
+    last_checkpoint_path,
+    pl,
+    set_rng_states,
+)
+from .._compat.loops import (
+    repeat_validation_on_resume,
+    validation_progress_state,
+    validation_runs_after_this_batch,
+)
 from .._compat.signals import handle_signals_during_run
-from ..control import ControlPlane, scaled_interval
+from ..control import ControlPlane
 from ..options import StrategyOptions
 from ..preemption import KEYS as PREEMPTION_KEYS
-from ..preemption import NoticeWatch, Preempted, PreemptionAgreement, stop_message
+from ..preemption import (
+    NoticeWatch,
+    Position,
+    Preempted,
+    PreemptionAgreement,
+    evaluation_position,
+    stop_message,
+    train_position,
+    validation_position,
+)
 
 __all__ = ["PreemptionHandling", "PreemptionStop"]
 
 log = logging.getLogger(__name__)
 
+#: the batch index of the boundary every rank passes once its batches of a loop are done (after all batches)
+_LOOP_END = 2**31 - 1
+_STAGE_NAMES = {TrainerFn.VALIDATING: "validate", TrainerFn.TESTING: "test", TrainerFn.PREDICTING: "predict"}
+
 
 class PreemptionStop(Callback):
-    """Stop every rank at the agreed step after a preemption signal, with one collective checkpoint.
+    """Stop every rank at the agreed boundary after a preemption signal: with a checkpoint in ``fit``.
 
-    Added by :class:`~ddp_strategy.SafeDDPStrategy` for ``fit`` (see its ``preemption_signals``); not meant to be
-    added by hand. At every training batch end at which ``global_step`` moved (an optimizer-step boundary) it
-    advances the agreement; at the agreed step every rank saves through ``trainer.save_checkpoint`` (a collective
-    save, with every rank's RNG state and the position in the epoch) and raises :class:`~ddp_strategy.Preempted`.
-    A signal that came after the last step boundary is agreed on at ``on_train_end`` (one control-plane gather).
+    Added by :class:`~ddp_strategy.SafeDDPStrategy` for each stage (see its ``preemption_signals``); not meant to be
+    added by hand. Boundaries: in ``fit``, every training batch end at which ``global_step`` moved (an optimizer
+    step's end) and every validation batch end (the sanity check's too); in ``validate``, ``test`` and ``predict``,
+    every batch end; in every evaluation loop, the point where this rank's batches are done (ranks may hold
+    different numbers of batches with exact evaluation). At the agreed boundary every rank raises
+    :class:`~ddp_strategy.Preempted`, after, in ``fit``, one collective save through ``trainer.save_checkpoint``:
+
+    * at a training step's end: the position after that step (every rank's RNG state, the place in the epoch);
+    * during a validation: the training position this validation started at, with the RNG states of that moment
+      and the validation marked as not done, so that the resumed run repeats it before training on;
+    * in the sanity check: nothing (nothing was trained in this run).
+
+    A signal that came after the last boundary is agreed on at the end of the stage (one control-plane gather).
 
     Args:
         agreement: this rank's :class:`~ddp_strategy.preemption.PreemptionAgreement`.
         control: returns the strategy's control plane (``None`` outside a run).
         finish_writes: waits for an asynchronous checkpoint write in flight and agrees on its outcome.
+        stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
 
     """
 
@@ -42,45 +78,74 @@ class PreemptionStop(Callback):
         agreement: PreemptionAgreement,
         control: Callable[[], ControlPlane | None],
         finish_writes: Callable[[], None],
+        stage: str = "fit",
     ) -> None:
         self.agreement = agreement
+        self.stage = stage
         self._control = control
         self._finish_writes = finish_writes
         self._last_step: int | None = None
-        #: ``(step, path)`` of the stop, once it happened.
-        self.stopped: tuple[int, str | None] | None = None
+        self._validation_start: tuple[dict[str, Any], dict[str, Any]] | None = None
+        #: ``(where, path)`` of the stop, once it happened (``path``: the checkpoint, or ``None``).
+        self.stopped: tuple[str, str | None] | None = None
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = trainer.global_step
+    # ------------------------------------------------------------------ stage start and end
+    def _forget_keys_at_close(self) -> None:
         control = self._control()
         if control is not None:
             control.forget_at_close(*PREEMPTION_KEYS, shared=True)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if step == self._last_step:  # no optimizer step in this batch (gradient accumulation): no boundary
-            return
-        self._last_step = step
-        control = self._control()
-        if control is None:
-            return
-        if self.agreement.at_step_boundary(control.store, step):
-            self._stop(trainer, step)
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        self._forget_keys_at_close()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stage != "fit":
+            self._forget_keys_at_close()
+        elif not trainer.sanity_checking:  # what a stop inside this validation saves
+            self._validation_start = (validation_progress_state(trainer), collect_rng_states())
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget_keys_at_close()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget_keys_at_close()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._at_stage_end(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_start = None
+        if self.stage == "validate":
+            self._at_stage_end(trainer)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._at_stage_end(trainer)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._at_stage_end(trainer)
+
+    def _at_stage_end(self, trainer: pl.Trainer) -> None:
+        """Every rank is past its last boundary: stop all if any rank knows of a signal, then end the watches."""
         control = self._control()
         if control is None or self.stopped is not None:
             return
-        requested = control.all_gather_object(self.agreement.requested, name="preemption:train-end")
-        if any(requested):  # a signal after the last step boundary (or during the last validation)
+        requested = control.all_gather_object(self.agreement.requested, name=f"preemption:{self.stage}-end")
+        if any(requested):  # a signal after the last boundary
             self.agreement.learn(control.store)
-            self._stop(trainer, trainer.global_step)
-        self._end_watch(control, wake_all=trainer.is_global_zero)  # every rank is past its last step boundary
+            if self.stage == "fit":
+                self._save_and_raise(trainer, f"after step {trainer.global_step}")
+            else:
+                self._stop_evaluation(trainer, "after the last batch")
+        self._end_watch(control, wake_all=trainer.is_global_zero)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -99,27 +164,123 @@ class PreemptionStop(Callback):
             except Exception as err:  # the store's host is gone: its connection ends the watches
                 log.debug("ddp_strategy: could not wake the preemption watches: %s", err)
 
-    def _stop(self, trainer: pl.Trainer, step: int) -> None:
+    # ------------------------------------------------------------------ boundaries
+    def _at(self, position: Position, where: str) -> bool:
+        control = self._control()
+        return control is not None and self.agreement.at_boundary(control.store, position, where)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # no optimizer step in this batch (gradient accumulation): no boundary
+            return
+        self._last_step = step
+        if self._at(train_position(step), f"step {step}"):
+            if validation_runs_after_this_batch(trainer):
+                # every rank stops at the validation's first boundary instead: that checkpoint makes the resumed run
+                # run this validation, as the uninterrupted run does (Lightning >= 2.5 would skip it otherwise)
+                return
+            self._save_and_raise(trainer, f"after step {step}")
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._at_evaluation_batch(trainer, dataloader_idx, batch_idx)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._at_evaluation_batch(trainer, dataloader_idx, batch_idx)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._at_evaluation_batch(trainer, dataloader_idx, batch_idx)
+
+    def on_loop_batches_done(self, trainer: pl.Trainer) -> None:
+        """Called by the exact evaluation loops (``_compat.loops``) once this rank's batches of a loop are done."""
+        self._at_evaluation_batch(trainer, _LOOP_END, 0)
+
+    def _at_evaluation_batch(self, trainer: pl.Trainer, dataloader_idx: int, batch_idx: int) -> None:
+        done = dataloader_idx == _LOOP_END
+        of = f" of dataloader {dataloader_idx}" if dataloader_idx and not done else ""
+        if self.stage == "fit":
+            step, sanity = trainer.global_step, bool(trainer.sanity_checking)
+            loop = "sanity-check" if sanity else "validation"
+            where = f"the end of its {loop} batches" if done else f"{loop} batch {batch_idx}{of}"
+            if self._at(validation_position(step, dataloader_idx, batch_idx, sanity=sanity), f"{where} at step {step}"):
+                self._stop_in_validation(trainer, where, sanity=sanity)
+        else:
+            where = f"the end of its {self.stage} batches" if done else f"{self.stage} batch {batch_idx}{of}"
+            if self._at(evaluation_position(dataloader_idx, batch_idx), where):
+                self._stop_evaluation(trainer, f"at {where}")
+
+    # ------------------------------------------------------------------ stops
+    def _stop_in_validation(self, trainer: pl.Trainer, where: str, *, sanity: bool) -> NoReturn:
+        step = trainer.global_step
+        if sanity or self._validation_start is None:
+            self._raise(
+                trainer, f"at {where} (sanity check, before training)",
+                "wrote no checkpoint: nothing was trained in this run; run it again as it was started",
+            )  # fmt: skip
+        progress, rng = self._validation_start
+        repeat_validation_on_resume(trainer, progress)
+        set_rng_states(rng)  # the checkpoint holds each rank's RNG state as the validation started
+        self._save_and_raise(
+            trainer, f"at {where} at step {step}",
+            note=f" (the training position of step {step}; the resumed run repeats this validation)",
+        )  # fmt: skip
+
+    def _stop_evaluation(self, trainer: pl.Trainer, where: str) -> NoReturn:
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        writers = [type(c).__name__ for c in callbacks if isinstance(c, pl.callbacks.BasePredictionWriter)]
+        written = f" ({', '.join(writers)} wrote the batches before)" if writers and self.stage == "predict" else ""
+        self._raise(trainer, where, f"saved nothing{written}: trainer.{self.stage} did not finish; run it again")
+
+    def _save_and_raise(self, trainer: pl.Trainer, stopped: str, note: str = "") -> NoReturn:
         path, found_by_last = last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
         self._finish_writes()
-        self.stopped = (step, path)
-        message = stop_message(
-            self.agreement, step=step, path=path, resume='"last"' if found_by_last else repr(path),
-            world_size=trainer.world_size,
-        )  # fmt: skip
+        resume = '"last"' if found_by_last else repr(path)
+        self._raise(trainer, stopped, f"saved {path}{note}; resume with trainer.fit(..., ckpt_path={resume})", path)
+
+    def _raise(self, trainer: pl.Trainer, stopped: str, outcome: str, path: str | None = None) -> NoReturn:
+        self.stopped = (stopped, path)
+        message = stop_message(self.agreement, stopped=stopped, outcome=outcome, world_size=trainer.world_size)
         log.warning(message)
-        raise Preempted(
-            message, signal_name=self.agreement.signal_name(), code=self.agreement.exit_code(), step=step, path=path
-        )
+        agreement, step = self.agreement, trainer.global_step if self.stage == "fit" else None
+        raise Preempted(message, signal_name=agreement.signal_name(), code=agreement.exit_code(), step=step, path=path)
 
 
 class PreemptionHandling:
-    """The strategy's side of preemption: for each ``fit``, a :class:`PreemptionStop` and the signals routed to it.
+    """The strategy's side of preemption: for each stage, a :class:`PreemptionStop` and the signals routed to it.
 
     Args:
         options: the strategy's options (``preemption_signals``: none leaves signals to Lightning;
-            ``heartbeat_interval``: the agreement looks at the store as often).
+            ``barrier_timeout``: how long a rank waits for the others' acknowledgements).
         control: returns the strategy's control plane (``None`` outside a run).
         finish_writes: waits for an asynchronous checkpoint write in flight and agrees on its outcome.
 
@@ -132,36 +293,41 @@ class PreemptionHandling:
         finish_writes: Callable[[], None],
     ) -> None:
         self.signals = options.preemption_signals
-        self._heartbeat_interval = options.heartbeat_interval
+        self._timeout: timedelta = options.barrier_timeout
         self._control = control
         self._finish_writes = finish_writes
         self._rank = 0
-        #: The stop callback of the current ``fit``; ``None`` in other stages or without preemption signals.
+        #: The stop callback of the current stage; ``None`` without preemption signals.
         self.stop: PreemptionStop | None = None
 
     def setup(self, trainer: pl.Trainer, *, rank: int, world_size: int) -> None:
-        """At the strategy's ``setup``: for ``fit``, take the signals from Lightning's handlers and add the stop."""
+        """At the strategy's ``setup``: take the signals from Lightning's handlers and add the stop callback."""
         self.stop = None
         self._rank = rank
-        if not self.signals or trainer.state.fn != TrainerFn.FITTING:
+        fn = trainer.state.fn
+        stage = "fit" if fn == TrainerFn.FITTING else _STAGE_NAMES.get(fn) if fn is not None else None
+        if not self.signals or stage is None:
             return
-        poll = scaled_interval(self._heartbeat_interval or 1.0, world_size)  # flat store load at any size
         control = self._control()
         # one blocked store wait per rank learns of a signal on any rank (no polling; see preemption.NoticeWatch)
         watch = None
         if control is not None and world_size > 1:
             watch = NoticeWatch(control.connect(), rank=rank, waker=control.store)
-        agreement = PreemptionAgreement(rank=rank, world_size=world_size, poll_interval=poll, watch=watch)
-        self.stop = PreemptionStop(agreement, self._control, self._finish_writes)
+        start = train_position(0) if stage == "fit" else evaluation_position(0, -1)
+        agreement = PreemptionAgreement(
+            rank=rank, world_size=world_size if watch is not None else 1, start=start, watch=watch,
+            timeout=self._timeout.total_seconds(),
+        )  # fmt: skip
+        self.stop = PreemptionStop(agreement, self._control, self._finish_writes, stage)
         add_callback(trainer, self.stop, replace=PreemptionStop)
         handle_signals_during_run(trainer, self.signals, agreement.request, self.deliver_unused_signal)
 
     def deliver_unused_signal(self) -> None:
         """After the run's handlers were restored: a signal that led to no stop is delivered again, as if unhandled.
 
-        That is a signal that came after the ranks' last agreement (between ``on_train_end`` and the end of
-        ``fit``) or on a rank that failed for another reason: the process's own handling applies (by default it
-        ends the process).
+        That is a signal that came after the ranks' last agreement (between the end of the stage and the end of the
+        run) or on a rank that failed for another reason: the process's own handling applies (by default it ends
+        the process).
         """
         stop = self.stop
         if stop is None or stop.stopped is not None or stop.agreement.received is None:
@@ -169,7 +335,7 @@ class PreemptionHandling:
         received = stop.agreement.received
         log.warning(
             "ddp_strategy: rank %d received %s after the ranks' last chance to agree on a stop; delivering it again "
-            "now that fit has ended.",
+            "now that the run has ended.",
             self._rank,
             received.name,
         )

@@ -56,8 +56,8 @@ import atexit
 import contextlib
 import functools
 import importlib
-import io
 import inspect
+import io
 import json
 import logging
 import os
@@ -920,7 +920,8 @@ def state_preemption(sim: Sim, timing: Timing) -> Outcome:
     def agreement_of(r: Rank) -> Any:
         if "start" in inspect.signature(make_agreement).parameters:  # boundary agreement: the watch acknowledges
             notices = watch(r.control.connect(), rank=r.rank, renew=60.0)
-            return make_agreement(rank=r.rank, world_size=sim.world, start=preemption.train_position(100), watch=notices)
+            start = preemption.train_position(100)
+            return make_agreement(rank=r.rank, world_size=sim.world, start=start, watch=notices)
         if watch is None:
             return make_agreement(rank=r.rank, world_size=sim.world, poll_interval=HEARTBEAT)
         notices = watch(r.control.connect(), rank=r.rank, renew=60.0)  # as PreemptionHandling makes it

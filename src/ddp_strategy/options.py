@@ -78,13 +78,14 @@ class StrategyOptions:
             wrapper with the same options, so newly trainable parameters are all-reduced (and frozen ones no longer
             awaited). A set that changed differently, or on some ranks only, raises
             :class:`~ddp_strategy.errors.RankDivergenceError`. Default: ``True``.
-        preemption_signals: the signals that stop ``fit`` as a preemption (names or numbers; default
+        preemption_signals: the signals that stop a stage as a preemption (names or numbers; default
             ``("SIGTERM",)``, add ``"SIGUSR1"`` for SLURM's ``--signal``; ``None`` leaves signals to Lightning).
-            When any subset of ranks receives one, the ranks agree on a stop step over the control plane (no
-            collective in the handler, none per step), save one checkpoint there with the normal collective save
-            (to ``ModelCheckpoint``'s ``last`` file, where ``fit(ckpt_path="last")`` finds it), and every rank raises
-            :class:`~ddp_strategy.Preempted`, exiting with ``128 + signal`` (143 for SIGTERM). See
-            :mod:`ddp_strategy.preemption` and docs/checkpoints.md.
+            When any subset of ranks receives one, the ranks agree on a boundary to stop at over the control plane
+            (an optimizer step's end, a validation or evaluation batch's end; no collective in the handler, none per
+            step); in ``fit`` they save one checkpoint there with the normal collective save (to
+            ``ModelCheckpoint``'s ``last`` file, where ``fit(ckpt_path="last")`` finds it; during a validation, the
+            training position it started at), and every rank raises :class:`~ddp_strategy.Preempted`, exiting with
+            ``128 + signal`` (143 for SIGTERM). See :mod:`ddp_strategy.preemption` and docs/checkpoints.md.
         desync_detection: watch every collective of every rank (the strategy's, Lightning's ``self.log(...,
             sync_dist=True)``, torchmetrics', the user's ``torch.distributed`` calls and DDP's gradient all-reduce,
             through torch's Flight Recorder) and raise :class:`~ddp_strategy.errors.CollectiveMismatchError` on every

@@ -29,8 +29,9 @@ _SENT = re.compile(r"FaultInjector: sending (SIG\w+) at t=([\d.]+) \(training go
 _STOP = re.compile(
     r"ddp_strategy: preempted: rank (\d+) "
     r"(received SIG\w+ at step \d+|stops for SIG\w+ on rank \d+ \(at step \d+\)); "
-    r"all (\d+) rank\(s\) stopped after step (\d+) \(([\d.]+) s after the signal\) and saved (\S+); resume with "
-    r"trainer\.fit\(\.\.\., ckpt_path=\"last\"\)\. Exiting with code (\d+) \((SIG\w+)\)\."
+    r"all (\d+) rank\(s\) stopped (?:after step |at validation batch \d+ at step )(\d+) \(([\d.]+) s after the "
+    r"signal\) and saved (\S+)(?: \(the training position of step \d+; the resumed run repeats this validation\))?; "
+    r"resume with trainer\.fit\(\.\.\., ckpt_path=\"last\"\)\. Exiting with code (\d+) \((SIG\w+)\)\."
 )
 
 
@@ -101,7 +102,8 @@ TARGETS = {
     "all-ranks": (["--fault", "signal:0:5", "--fault", "signal:1:5"], {0, 1}),
     "rank0-only": (["--fault", "signal:0:5"], {0}),
     "rank1-only": (["--fault", "signal:1:5"], {1}),
-    # both at step 6: the agreed stop is after step 8, the last batch of epoch 1 (4 batches per epoch on 2 ranks)
+    # both at step 6: the agreed stop is after step 8, the last batch of epoch 1 (4 batches per epoch on 2 ranks),
+    # whose epoch-end validation is due: every rank stops at its first batch (its checkpoint repeats it on resume)
     "on-an-epochs-last-batch": (["--fault", "signal:0:6", "--fault", "signal:1:6"], {0, 1}),
 }
 
@@ -132,9 +134,10 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_bit
 
 @pytest.mark.serial  # every rank out within EXIT_BOUND_SECONDS: run alone (make test)
 def test_sigterm_to_one_of_3_ranks_mid_epoch_resumes_bit_exact(tmp_path):
-    # 3 batches per epoch on 3 ranks: rank 2's signal at step 4 stops every rank in the middle of epoch 1; the
-    # resumed run's first step reduces with the saved gradient-bucket layout (a last-bit difference otherwise)
-    _, stop, diff = preempt_then_resume(tmp_path, "--fault", "signal:2:4", devices=3)
+    # 3 batches per epoch on 3 ranks: rank 2's signal during the batch after step 3 stops every rank in the middle
+    # of epoch 1 (after step 5 at the latest: the watches acknowledge at step 4); the resumed run's first step
+    # reduces with the saved gradient-bucket layout (a last-bit difference otherwise)
+    _, stop, diff = preempt_then_resume(tmp_path, "--fault", "signal:2:3", devices=3)
     assert stop.receivers == {2} and stop.step % 3 != 0
     assert diff == 0.0
 

@@ -141,3 +141,29 @@ def test_stock_lightning_exits_0_with_a_gloo_error_when_sigterm_comes_during_tes
     run = run_script(cmd, timeout=200)
     assert run.returncode == 0 and not run.timed_out, run.describe()
     assert "Connection closed by peer" in run.output and "finished test" not in run.output, run.describe()
+
+
+@pytest.mark.serial  # asserts the time to stop: run alone (make test)
+@pytest.mark.timeout(300)
+def test_sigterm_during_test_under_the_spawn_launcher_exits_143(tmp_path):
+    """Point 2 under Lightning's spawn launcher (``safe_ddp_spawn``): both ranks stop at one test batch with the
+    line, and the main process, which is no rank, exits with 143."""
+    cmd = [str(SCRIPT), "--stage", "test", "--launcher", "spawn", *EVAL, "--signal", "0:3", "--signal", "1:3"]
+    run = run_script(cmd, timeout=200)
+    lines = stops(run, receivers={0, 1})
+    assert re.fullmatch(r"at test batch \d+", lines[0][4]), lines[0][0]
+
+
+@pytest.mark.serial  # asserts the time to stop: run alone (make test)
+@pytest.mark.timeout(300)
+def test_sigterm_during_test_under_torchrun_exits_143_on_every_worker(tmp_path):
+    """Point 2 under torchrun: its agent reports each worker's own exit code, 143 for both, after the line."""
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--stage", "test"]
+    run = run_script([*cmd, *EVAL, "--signal", "1:3"], timeout=200)
+    assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()  # torchrun: a worker failed
+    lines = [m for line in run.output.splitlines() if (m := _STOP.search(line))]
+    assert sorted(int(m[1]) for m in lines) == [0, 1] and len({m[4] for m in lines}) == 1, run.describe()
+    reported = re.findall(r"exitcode\s*:\s*(-?\d+)", run.output)
+    assert reported and set(reported) == {"143"}, run.describe()
+    assert len(re.findall(r"local_rank\s*:\s*(\d)", run.output)) == 2, run.describe()
+    assert "Traceback" not in run.output.split("torch.distributed.elastic")[0], run.describe()

@@ -339,6 +339,41 @@ def test_usr1_requeue_resumes_stock_ddp_to_other_weights(cluster: Cluster, unint
     assert_no_process_left(job)
 
 
+#: the stop line of a task during ``trainer.test`` (tests/scripts/preempt_stages.py)
+TEST_STOP = re.compile(
+    r"ddp_strategy: preempted: rank (\d) (?:received SIGTERM at test batch \d+|stops for SIGTERM on rank \d \(at test "
+    r"batch \d+\)); all 2 rank\(s\) stopped at test batch (\d+) \(([\d.]+) s after the signal\) and saved nothing: "
+    r"trainer\.test did not finish; run it again\. Exiting with code 143 \(SIGTERM\)\."
+)
+
+
+@runs_jobs
+@pytest.mark.timeout(200)
+def test_scancel_during_trainer_test_ends_cancelled_with_143_and_one_line_per_task(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 28: ``scancel`` while ``trainer.test`` runs (SIGTERM to every task, 200 test batches of 0.1 s): each
+    task prints one stop line naming the test batch every task stopped at and that nothing was saved, exits 143
+    well before KillWait, with no traceback; the job is CANCELLED (0:15), never a success."""
+    args = [str(SCRIPTS / "preempt_stages.py"), "--stage", "test", "--eval-batches", "200", "--eval-sleep", "0.1"]
+    job = cluster.submit(tmp_path, "test-stage", args)
+    started = "ddp_strategy: test handshake passed on 2 rank(s)"  # rank 0's line as the test loop starts
+    job.wait("the test loop to start", lambda: started in job.output(), timeout=150, poll=0.05)
+    time.sleep(1.0)  # a few batches in
+    sent = job.cancel()
+    record = job.wait_until_gone(timeout=KILL_WAIT + 30)
+    assert (record["JobState"], record["ExitCode"]) == ("CANCELLED", "0:15"), job.describe()
+    exits = job.task_exits()
+    assert sorted((e.task, e.outcome) for e in exits) == [(0, "exit code 143"), (1, "exit code 143")], exits
+    assert all(e.time - sent < KILL_WAIT for e in exits), (sent, exits)
+    output = job.output()
+    lines = [TEST_STOP.fullmatch(line) for rank in (0, 1) for line in lines_of(output, rank) if "preempted" in line]
+    assert len(lines) == 2 and all(lines), job.describe()
+    assert len({m[2] for m in lines if m}) == 1, job.describe()  # one batch for both
+    assert "Traceback" not in output and "finished test" not in output, job.describe()
+    assert_no_process_left(job)
+
+
 def barrier_job(cluster: Cluster, tmp_path: Path, strategy: str) -> tuple[Job, float]:
     """``scenario.py barrier_rank0_only --barrier-timeout 600``: rank 0 alone calls ``strategy.barrier("only_rank0")``
     at global step 2 (4 steps per epoch). Returns the job and when its training started (the first line of fit)."""
@@ -408,5 +443,5 @@ def test_slurm_page_names_every_test_of_this_file_and_only_those() -> None:
     named = set(re.findall(r"`(test_\w+)`", page))
     job_tests = {name for name, f in globals().items() if name.startswith("test_") and hasattr(f, "pytestmark")}
     job_tests = {name for name in job_tests if any(m.name == "slurm" for m in globals()[name].pytestmark)}
-    assert len(job_tests) == 7 and named <= job_tests | {"test_sigusr1_is_handled_when_listed"}, named - job_tests
+    assert len(job_tests) == 8 and named <= job_tests | {"test_sigusr1_is_handled_when_listed"}, named - job_tests
     assert job_tests <= named, job_tests - named

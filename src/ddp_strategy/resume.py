@@ -30,7 +30,7 @@ from ._compat.lightning import (
 )
 from .bucket_layout import BucketLayoutKeeper
 from .checkpoint import protocol
-from .checkpoint.keys import PACKAGE_KEY
+from .checkpoint.keys import PACKAGE_KEY, RNG_AT_VALIDATION_START_KEY, package_state
 from .control import ControlPlane, from_rank
 from .errors import CheckpointMismatchError
 from .host import StrategyHost
@@ -64,6 +64,8 @@ class ResumeState:
     restore_at_next_epoch: bool
     #: Saved before ``fit`` trained (the uninterrupted fit re-seeded at its set-up).
     before_training: bool
+    #: Saved during a validation (a preemption stop): its RNG states are that validation's start's.
+    rng_at_validation_start: bool = False
 
     @classmethod
     def of(cls, checkpoint: dict[str, Any]) -> ResumeState:
@@ -78,6 +80,7 @@ class ResumeState:
             epochs_ahead=int(LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH and after_last_batch),
             restore_at_next_epoch=not LAST_BATCH_CHECKPOINT_RESUMES_NEXT_EPOCH and after_last_batch,
             before_training=protocol.saved_before_training(checkpoint),
+            rng_at_validation_start=bool(package_state(checkpoint).get(RNG_AT_VALIDATION_START_KEY, False)),
         )
 
 
@@ -218,6 +221,15 @@ class ExactResume:
         if fresh_iterator and not restore_before_second_train_iterator(trainer, self.restore_rng):
             self.restore_rng()
         return dataloader
+
+    def at_validation_start(self) -> None:
+        """In ``fit``, as a validation starts (not the sanity check): restore the checkpoint's RNG states now.
+
+        Only for a checkpoint saved during a validation: its RNG states are that validation's start's, and the
+        resumed run repeats that validation first.
+        """
+        if self.state is not None and self.state.rng_at_validation_start:
+            self.restore_rng()
 
     def restore_rng(self) -> None:
         """Restore this rank's RNG states from the checkpoint being resumed, once (nothing when none is pending)."""

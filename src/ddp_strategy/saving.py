@@ -265,7 +265,7 @@ class CheckpointSaving:
             is_writer=self.is_writer,
             every_writer_needs_states=self._options.save_on == "node_zero",
             weights=weights,
-            section=self.layout_entry(),
+            section={**package_state(checkpoint), **self.layout_entry()},  # with what callbacks added there
         )
         if weights is not None:
             self._weight_checks.agreed_at(step)  # the ranks agreed at this step: the epoch-end check need not repeat

@@ -123,7 +123,9 @@ class SafeDDPStrategy(DDPStrategy):
         self._weights = WeightChecks(options)
         self._saving = CheckpointSaving(self, options, self._lifecycle, self._weights, self.bucket_layout)
         self._resume = ExactResume(self, control, self.bucket_layout, self._saving.wait_before_reading)
-        self._preemption = PreemptionHandling(options, control, self._saving.finish_async_writes)
+        self._preemption = PreemptionHandling(
+            options, control, self._saving.finish_async_writes, self._resume.at_validation_start
+        )
         self._unused = UnusedParameterCheck(control)
 
     # ------------------------------------------------------------------ attributes

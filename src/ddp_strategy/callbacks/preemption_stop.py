@@ -25,6 +25,7 @@ from .._compat.loops import (
     validation_runs_after_this_batch,
 )
 from .._compat.signals import handle_signals_during_run
+from ..checkpoint.keys import PACKAGE_KEY, RNG_AT_VALIDATION_START_KEY
 from ..control import ControlPlane
 from ..options import StrategyOptions
 from ..preemption import KEYS as PREEMPTION_KEYS
@@ -70,6 +71,9 @@ class PreemptionStop(Callback):
         control: returns the strategy's control plane (``None`` outside a run).
         finish_writes: waits for an asynchronous checkpoint write in flight and agrees on its outcome.
         stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
+        at_validation_start: called as a validation inside ``fit`` starts (not the sanity check): resuming a
+            checkpoint saved during a validation, it restores its RNG states there, where they were taken (the
+            resumed run repeats that validation first).
 
     """
 
@@ -79,13 +83,17 @@ class PreemptionStop(Callback):
         control: Callable[[], ControlPlane | None],
         finish_writes: Callable[[], None],
         stage: str = "fit",
+        at_validation_start: Callable[[], None] | None = None,
     ) -> None:
         self.agreement = agreement
         self.stage = stage
         self._control = control
         self._finish_writes = finish_writes
+        self._at_validation_start = at_validation_start
         self._last_step: int | None = None
         self._validation_start: tuple[dict[str, Any], dict[str, Any]] | None = None
+        # whether the checkpoint being written holds the RNG states of a validation's start
+        self._rng_of_validation_start = False
         #: ``(where, path)`` of the stop, once it happened (``path``: the checkpoint, or ``None``).
         self.stopped: tuple[str, str | None] | None = None
 
@@ -101,10 +109,19 @@ class PreemptionStop(Callback):
         self._forget_keys_at_close()
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._rng_of_validation_start:  # the resumed run restores them as the repeated validation starts
+            checkpoint.setdefault(PACKAGE_KEY, {})[RNG_AT_VALIDATION_START_KEY] = True
+
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stage != "fit":
             self._forget_keys_at_close()
         elif not trainer.sanity_checking:  # what a stop inside this validation saves
+            if self._at_validation_start is not None:
+                self._at_validation_start()
             self._validation_start = (validation_progress_state(trainer), collect_rng_states())
 
     @override
@@ -249,6 +266,7 @@ class PreemptionStop(Callback):
         progress, rng = self._validation_start
         repeat_validation_on_resume(trainer, progress)
         set_rng_states(rng)  # the checkpoint holds each rank's RNG state as the validation started
+        self._rng_of_validation_start = True  # marked in the checkpoint (on_save_checkpoint)
         self._save_and_raise(
             trainer, f"at {where} at step {step}",
             note=f" (the training position of step {step}; the resumed run repeats this validation)",
@@ -283,6 +301,7 @@ class PreemptionHandling:
             ``barrier_timeout``: how long a rank waits for the others' acknowledgements).
         control: returns the strategy's control plane (``None`` outside a run).
         finish_writes: waits for an asynchronous checkpoint write in flight and agrees on its outcome.
+        at_validation_start: called as a validation inside ``fit`` starts (see :class:`PreemptionStop`).
 
     """
 
@@ -291,8 +310,10 @@ class PreemptionHandling:
         options: StrategyOptions,
         control: Callable[[], ControlPlane | None],
         finish_writes: Callable[[], None],
+        at_validation_start: Callable[[], None] | None = None,
     ) -> None:
         self.signals = options.preemption_signals
+        self._at_validation_start = at_validation_start
         self._timeout: timedelta = options.barrier_timeout
         self._control = control
         self._finish_writes = finish_writes
@@ -318,7 +339,7 @@ class PreemptionHandling:
             rank=rank, world_size=world_size if watch is not None else 1, start=start, watch=watch,
             timeout=self._timeout.total_seconds(),
         )  # fmt: skip
-        self.stop = PreemptionStop(agreement, self._control, self._finish_writes, stage)
+        self.stop = PreemptionStop(agreement, self._control, self._finish_writes, stage, self._at_validation_start)
         add_callback(trainer, self.stop, replace=PreemptionStop)
         handle_signals_during_run(trainer, self.signals, agreement.request, self.deliver_unused_signal)
 

@@ -4,11 +4,11 @@ or predict (issue 28). Lightning's launcher re-runs this script per rank.
 Usage::
 
     python preempt_stages.py --stage fit|validate|test|predict --strategy safe_ddp|ddp
-        [--signal RANK:BATCH ...] [--signal-at-step S] [--ckpt-dir DIR] [--resume last] [--metrics-out FILE]
+        [--sigterm-at RANK:BATCH ...] [--signal-at-step S] [--ckpt-dir DIR] [--resume last] [--metrics-out FILE]
         [--save-weights FILE] [--launcher subprocess|spawn]
 
 Evaluation batches take ``--eval-sleep`` seconds each (in ``fit``: in the validation at the signal's step, or the
-next one; the others are fast). ``--signal RANK:BATCH``: that rank sends itself SIGTERM at the end of that
+next one; the others are fast). ``--sigterm-at RANK:BATCH``: that rank sends itself SIGTERM at the end of that
 evaluation batch (in ``fit``: of the validation at global step ``--signal-at-step``, not the sanity check);
 ``RANK:-1``: at the end of the training batch that made ``global_step`` ``--signal-at-step``. Every rank prints
 ``preempt_stages: rank R finished STAGE`` when the stage returns. Rank 0 appends each validation's metrics
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--stage", default="fit", choices=["fit", "validate", "test", "predict"])
     parser.add_argument("--strategy", default="safe_ddp", choices=["safe_ddp", "ddp"])
     parser.add_argument("--launcher", default="subprocess", choices=["subprocess", "spawn"])
-    parser.add_argument("--signal", action="append", default=[], help="RANK:BATCH (repeatable)")
+    parser.add_argument("--sigterm-at", action="append", default=[], help="RANK:BATCH (repeatable)")
     parser.add_argument("--signal-at-step", type=int, default=4)
     parser.add_argument("--ckpt-dir")
     parser.add_argument("--resume")
@@ -147,7 +147,7 @@ def main() -> None:
     model = Classifier(
         args.step_sleep, args.eval_sleep, slow_at_step=args.signal_at_step + (args.signal_at_step % 4 != 0)
     )
-    targets = {int(r): int(b) for r, b in (s.split(":") for s in args.signal)}
+    targets = {int(r): int(b) for r, b in (s.split(":") for s in args.sigterm_at)}
     callbacks: list[pl.Callback] = [SignalAt(targets, args.signal_at_step)]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=-1))

@@ -168,3 +168,35 @@ def test_sigterm_during_test_under_torchrun_exits_143_on_every_worker(tmp_path):
     assert sorted(reported) == [("0", "143"), ("1", "143")], run.describe()
     workers = run.output.split("failed (exitcode:")[0]  # before torchrun's own report (and its traceback)
     assert "Traceback" not in workers and "Connection closed" not in workers, run.describe()
+
+
+@pytest.mark.serial  # asserts the time to stop: run alone (make test)
+@pytest.mark.timeout(300)
+def test_sigterm_during_the_sanity_check_stops_without_a_checkpoint(tmp_path):
+    """Point 1, the sanity check (before training): both ranks stop at one of its batches with exit 143 and say
+    that no checkpoint was written, since nothing was trained in the run."""
+    run = fit(tmp_path, "--in-sanity-check", "--sigterm-at", "0:0", "--sigterm-at", "1:0", "--eval-sleep", "1.0")
+    lines = stops(run, receivers={0, 1})
+    assert lines[0][4] == "at sanity-check batch 1 (before training)", lines[0][0]
+    assert lines[0][6] == "wrote no checkpoint: nothing was trained in this run; run it again as it was started"
+    assert not list((tmp_path / "ckpt").glob("*.ckpt")) if (tmp_path / "ckpt").exists() else True
+
+
+@pytest.mark.serial  # asserts the time to stop: run alone (make test)
+@pytest.mark.timeout(300)
+def test_sigterm_during_predict_names_the_prediction_writer_which_kept_the_batches_before(tmp_path):
+    """Point 2 with a BasePredictionWriter (write_interval="batch"): the line names it; the batches each rank
+    predicted before the stop are on disk, none after."""
+    out = tmp_path / "predictions"
+    cmd = [str(SCRIPT), "--stage", "predict", *EVAL, "--prediction-writer", str(out), "--sigterm-at", "1:3"]
+    run = run_script(cmd, timeout=200)
+    lines = stops(run, receivers={1})
+    m = re.fullmatch(r"at predict batch (\d+)", lines[0][4])
+    assert m, lines[0][0]
+    assert (
+        lines[0][6]
+        == "saved nothing (BatchWriter wrote the batches before): trainer.predict did not finish; run it again"
+    )
+    for rank in (0, 1):
+        written = sorted(int(p.stem.split("batch")[1]) for p in out.glob(f"rank{rank}-batch*.pt"))
+        assert written == list(range(int(m[1]) + 1)), (rank, written)

@@ -79,14 +79,14 @@ def dataset(n: int, seed: int) -> TensorDataset:
 class SignalAt(pl.Callback):
     """Rank ``rank`` sends itself SIGTERM at the end of evaluation batch ``batch`` (in fit: at ``step``)."""
 
-    def __init__(self, targets: dict[int, int], step: int) -> None:
-        self.targets, self.step = targets, step
+    def __init__(self, targets: dict[int, int], step: int, sanity: bool = False) -> None:
+        self.targets, self.step, self.sanity = targets, step, sanity
 
     def _maybe(self, trainer: pl.Trainer, batch_idx: int, stage: str) -> None:
         if trainer.global_rank not in self.targets or batch_idx != self.targets[trainer.global_rank]:
             return
         in_fit = stage == "validation" and trainer.state.fn == "fit"
-        if in_fit and (trainer.sanity_checking or trainer.global_step != self.step):
+        if in_fit and (trainer.sanity_checking != self.sanity or trainer.global_step != self.step):
             return
         print(
             f"preempt_stages: sending SIGTERM at t={time.time():.3f} on rank {trainer.global_rank} at {stage} batch "
@@ -111,6 +111,19 @@ class SignalAt(pl.Callback):
         self._maybe(trainer, args[3], "predict")
 
 
+class BatchWriter(pl.callbacks.BasePredictionWriter):
+    """Each rank saves each prediction batch to ``DIR/rank<r>-batch<b>.pt`` as it comes."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(write_interval="batch")
+        self.directory = directory
+
+    def write_on_batch_end(self, trainer: pl.Trainer, pl_module: Any, prediction: Any, *args: Any) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        batch_idx = args[2]  # (batch_indices, batch, batch_idx, dataloader_idx)
+        torch.save(prediction, os.path.join(self.directory, f"rank{trainer.global_rank}-batch{batch_idx}.pt"))
+
+
 class RecordValidation(pl.Callback):
     """Rank 0 appends each validation's metrics (outside the sanity check) to a JSON-lines file."""
 
@@ -133,6 +146,8 @@ def main() -> None:
     parser.add_argument("--launcher", default="subprocess", choices=["subprocess", "spawn"])
     parser.add_argument("--sigterm-at", action="append", default=[], help="RANK:BATCH (repeatable)")
     parser.add_argument("--signal-at-step", type=int, default=4)
+    parser.add_argument("--in-sanity-check", action="store_true", help="--sigterm-at batches of fit's sanity check")
+    parser.add_argument("--prediction-writer", help="a BasePredictionWriter saving each batch's predictions here")
     parser.add_argument("--ckpt-dir")
     parser.add_argument("--resume")
     parser.add_argument("--metrics-out")
@@ -148,7 +163,10 @@ def main() -> None:
         args.step_sleep, args.eval_sleep, slow_at_step=args.signal_at_step + (args.signal_at_step % 4 != 0)
     )
     targets = {int(r): int(b) for r, b in (s.split(":") for s in args.sigterm_at)}
-    callbacks: list[pl.Callback] = [SignalAt(targets, args.signal_at_step)]
+    step = 0 if args.in_sanity_check else args.signal_at_step
+    callbacks: list[pl.Callback] = [SignalAt(targets, step, sanity=args.in_sanity_check)]
+    if args.prediction_writer:
+        callbacks.append(BatchWriter(args.prediction_writer))
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=-1))
     if args.metrics_out:

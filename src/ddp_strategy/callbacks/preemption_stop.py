@@ -260,7 +260,7 @@ class PreemptionStop(Callback):
         step = trainer.global_step
         if sanity or self._validation_start is None:
             self._raise(
-                trainer, f"at {where} (sanity check, before training)",
+                trainer, f"at {where} (before training)",
                 "wrote no checkpoint: nothing was trained in this run; run it again as it was started",
             )  # fmt: skip
         progress, rng = self._validation_start

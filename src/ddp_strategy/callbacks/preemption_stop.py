@@ -213,29 +213,9 @@ class PreemptionStop(Callback):
     ) -> None:
         self._at_evaluation_batch(trainer, dataloader_idx, batch_idx)
 
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._at_evaluation_batch(trainer, dataloader_idx, batch_idx)
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._at_evaluation_batch(trainer, dataloader_idx, batch_idx)
+    # the same boundary in every evaluation loop (Lightning's hooks share this signature)
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_end = on_validation_batch_end
 
     def on_loop_batches_done(self, trainer: pl.Trainer) -> None:
         """Called by the exact evaluation loops (``_compat.loops``) once this rank's batches of a loop are done."""

@@ -1,4 +1,4 @@
-"""The rendezvous that reports (issue 29, point 1): missing ranks named by node, set-ups that disagree, unreachable stores.
+"""The rendezvous that reports (issue 29, point 1): missing ranks by node, set-ups that disagree, unreachable stores.
 
 Simulated ranks (threads on one in-memory store, each through a counting view) show the protocol and its O(1) store
 work per rank; the multi-process tests run two "nodes" on this host with Lightning's launcher (``NODE_RANK``) and
@@ -7,12 +7,13 @@ torchrun, beside stock ``DDPStrategy``.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,3 +127,166 @@ SCRIPT = str(SCRIPTS / "rendezvous.py")
 
 def lightning_node(node_rank: int, port: int, *args: str, addr: str = "127.0.0.1", **kw: Any) -> list[str]:
     return [SCRIPT, "--node-rank", str(node_rank), "--addr", addr, "--port", str(port), *args]
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+SCRIPT = str(SCRIPTS / "rendezvous.py")
+FIT_START = re.compile(r"script: fit starts at ([0-9.]+)")
+
+
+def node_env(node_rank: int, port: int) -> dict[str, str]:
+    """A "node" of Lightning's launcher on this host: what a user exports before ``python train.py``."""
+    return {"NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def fit_start(run: Run) -> float:
+    found = FIT_START.search(run.output)
+    assert found is not None, run.describe()
+    return float(found.group(1))
+
+
+class Watch:
+    """A ``run_script_until`` stop function that never stops a run, noting when each watched text first appeared."""
+
+    def __init__(self, *texts: str) -> None:
+        self.texts = texts
+        self.seen: dict[str, float] = {}
+
+    def __call__(self, output: str, idle: float) -> bool:
+        for text in self.texts:
+            if text not in self.seen and text in output:
+                self.seen[text] = time.time()
+        return False
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_never_starts_is_reported_by_node_and_the_timeout_names_it(tmp_path):
+    """Lightning's launcher, num_nodes=2, devices=1, NODE_RANK=0 only: a line every 2 s naming node 1 / rank 1 and
+    the likely causes, then at rendezvous_timeout=10 s a RendezvousError listing rank 1; exit code 1."""
+    port = free_port()
+    watch = Watch("Rendezvous at 127.0.0.1:", "RendezvousError")
+    args = [SCRIPT, "--num-nodes", "2", "--interval", "2", "--timeout", "10"]
+    run = run_script_until(args, timeout=120, stop=watch, env=node_env(0, port))
+    assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+    assert f"imports ddp_strategy from {SCRIPTS.parents[1]}" in run.output, run.describe()
+    start = fit_start(run)
+    assert watch.seen["Rendezvous at 127.0.0.1:"] - start < 2 + 15, run.describe()
+    assert watch.seen["RendezvousError"] - start < 10 + 15, run.describe()
+    report = f"Rendezvous at 127.0.0.1:{port}: 1 of 2 ranks joined after 2 s (started for world size 2 (num_nodes=2, "
+    assert report + "devices=1), cluster environment LightningEnvironment). Joined: node 0 on " in run.output
+    assert ": rank 0. Missing: node 1: rank 1. Likely causes: a node that was not started" in run.output
+    for cause in (f"every node needs 127.0.0.1:{port}", "same NODE_RANK", "num_nodes/devices", f"port {port}"):
+        assert cause in run.output, cause
+    error = f"ddp_strategy.errors.RendezvousError: The rendezvous at 127.0.0.1:{port} timed out: 1 of 2 ranks joined"
+    assert error in run.output and "Missing: node 1: rank 1." in run.output.split(error)[1], run.describe()
+
+
+@pytest.mark.multiprocess
+def test_stock_lightning_waits_silently_for_a_node_that_never_starts():
+    port = free_port()
+    marker = "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2"
+    run = run_script_until(
+        [SCRIPT, "--num-nodes", "2", "--strategy", "ddp"],
+        timeout=120,
+        stop=lambda output, idle: marker in output and idle > 15,
+        env=node_env(0, port),
+    )
+    assert run.stopped and not run.orphans, run.describe()  # still running, killed by the test
+    assert run.output.rstrip().endswith(marker), run.describe()  # and nothing after that line for 15 s
+
+
+def two_nodes(port: int, node0: list[str], node1: list[str], timeout: float = 120) -> list[tuple[Run, float]]:
+    """Node 0 and node 1 of Lightning's launcher, started at once: each one's run and when it ended (``time.time``)."""
+    runs: list[tuple[Run, float] | None] = [None, None]
+
+    def node(rank: int, args: list[str]) -> None:
+        run = run_script([SCRIPT, *args], timeout=timeout, env=node_env(rank, port))
+        runs[rank] = (run, time.time())
+
+    threads = [threading.Thread(target=node, args=(r, a)) for r, a in enumerate((node0, node1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert runs[0] is not None and runs[1] is not None
+    return [runs[0], runs[1]]
+
+
+@pytest.mark.multiprocess
+def test_nodes_started_for_different_num_nodes_raise_on_both_within_seconds():
+    """Node 0 with num_nodes=2, node 1 with num_nodes=3 (report interval 30 s, no rendezvous timeout): both raise
+    the same SetupMismatchError naming both set-ups, within seconds of the second one's fit start."""
+    port = free_port()
+    ended = two_nodes(port, ["--num-nodes", "2"], ["--num-nodes", "3"])
+    runs = [run for run, _ in ended]
+    errors = []
+    for run in runs:
+        assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+        found = re.search(r"ddp_strategy\.errors\.SetupMismatchError: (.*)", run.output)
+        assert found is not None, run.describe()
+        errors.append(found.group(1))
+    assert errors[0] == errors[1]
+    assert "world size 2 (num_nodes=2, devices=1)" in errors[0] and "world size 3 (num_nodes=3, devices=1)" in errors[0]
+    assert "The ranks were started for different set-ups: rank " in errors[0]
+    assert "Start every node with the same Trainer(num_nodes=..., devices=...)" in errors[0]
+    second_start = max(fit_start(run) for run in runs)
+    for run, end in ended:  # the process exit, after the error's traceback
+        assert end - second_start < 15, run.describe()
+
+
+@pytest.mark.multiprocess
+def test_stock_lightning_waits_silently_when_nodes_disagree_on_num_nodes():
+    port = free_port()
+    runs: list[Run | None] = [None, None]
+    markers = ["MEMBER: 1/2", "MEMBER: 2/3"]
+
+    def node(rank: int) -> None:
+        runs[rank] = run_script_until(
+            [SCRIPT, "--num-nodes", str(2 + rank), "--strategy", "ddp"],
+            timeout=120,
+            stop=lambda output, idle: markers[rank] in output and idle > 15,
+            env=node_env(rank, port),
+        )
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank, (run, marker) in enumerate(zip(runs, markers, strict=True)):
+        assert run is not None and run.stopped and not run.orphans, run and run.describe()
+        last = f"Initializing distributed: GLOBAL_RANK: {rank}, {marker}"
+        assert run.output.rstrip().endswith(last), run.describe()  # and nothing after it for 15 s
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_cannot_reach_master_port_names_the_address():
+    """Node 1 alone, MASTER_PORT a port nothing listens on: a line every 2 s naming MASTER_ADDR:MASTER_PORT and what
+    to check, then a RendezvousError at rendezvous_timeout=8 s."""
+    port = free_port()
+    watch = Watch("cannot reach the rendezvous store", "RendezvousError")
+    args = [SCRIPT, "--num-nodes", "2", "--interval", "2", "--timeout", "8"]
+    run = run_script_until(args, timeout=120, stop=watch, env=node_env(1, port))
+    assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+    start = fit_start(run)
+    assert watch.seen["cannot reach the rendezvous store"] - start < 2 + 15, run.describe()
+    assert watch.seen["RendezvousError"] - start < 8 + 15, run.describe()
+    who = f"rank 1 (node 1, local rank 0, host {socket.gethostname()})"
+    line = f"{who} cannot reach the rendezvous store at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT)"
+    assert "Rendezvous: " + line in run.output, run.describe()
+    assert f"ddp_strategy.errors.RendezvousError: Rendezvous: {line}" in run.output, run.describe()
+    assert "Check that node 0 (NODE_RANK=0, global rank 0) is running" in run.output
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_of_lightnings_launcher_fit_with_a_constant_number_of_store_operations(tmp_path):
+    port = free_port()
+    out = tmp_path / "result.json"
+    args = ["--num-nodes", "2", "--count-store-ops"]
+    runs = two_nodes(port, [*args, "--out", str(out)], args)
+    for rank, (run, _) in enumerate(runs):
+        assert run.returncode == 0 and not run.timed_out and not run.orphans, run.describe()
+        ops = re.search(rf"script: rank {rank} rendezvous store ops: (\d+)", run.output)
+        assert ops is not None and int(ops.group(1)) <= 7, run.describe()
+    assert json.loads(out.read_text())["global_step"] == 2

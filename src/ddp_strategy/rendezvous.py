@@ -172,10 +172,10 @@ def join(store: Store, me: Member, *, where: str, interval: float, deadline: flo
     mine = me.to_json()
     first = Member.from_json(store.compare_set("setup", "", mine))
     if first.setup != me.setup or not 0 <= me.rank < me.world_size:
-        _decide(store, me, _mismatch(me, first, int(store.add("joined", 0))), where, hosts)
+        _decide(store, me, _mismatch(me, first, int(store.add("joined", 0))), where, hosts, joined=False)
     holder = Member.from_json(store.compare_set(f"rank/{me.rank}", "", mine))
     if holder != me:
-        _decide(store, me, _duplicate(me, holder), where, hosts)
+        _decide(store, me, _duplicate(me, holder), where, hosts, joined=False)
     store.append("joined-ranks", f"{me.rank},")
     if int(store.add("joined", 1)) == me.world_size:
         store.compare_set("outcome", "", "ok")
@@ -184,7 +184,7 @@ def join(store: Store, me: Member, *, where: str, interval: float, deadline: flo
         if time.monotonic() < deadline:
             _report(store, me, first, where, time.monotonic() - start, reporter=reporter)
         elif reporter:
-            _decide(store, me, _timed_out(store, me, where, time.monotonic() - start), where, hosts)
+            _decide(store, me, _timed_out(store, me, where, time.monotonic() - start), where, hosts, joined=True)
         elif not grace:  # the reporter names the missing ranks: give it a moment to write that outcome
             grace = min(interval, _LINGER)
         else:
@@ -240,12 +240,16 @@ def _missing_text(me: Member, joined: dict[int, Member], waited: float) -> str:
     nodes: dict[int, list[int]] = {}
     for rank in missing:
         nodes.setdefault(rank // me.devices, []).append(rank)
-    seen = [f"node {n} on {h}: ranks {format_ranks(r)}" for (n, h), r in sorted(hosts.items())]
-    gaps = [f"node {n}: ranks {format_ranks(r)}" for n, r in sorted(nodes.items())]
+    seen = [f"node {n} on {h}: {_ranks(r)}" for (n, h), r in sorted(hosts.items())]
+    gaps = [f"node {n}: {_ranks(r)}" for n, r in sorted(nodes.items())]
     return (
         f"{len(joined)} of {me.world_size} ranks joined after {waited:.0f} s (started for {me.setup_text()}, "
         f"cluster environment {me.environment}). Joined: {_listed(seen)}. Missing: {_listed(gaps)}."
     )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
 
 
 def _listed(groups: list[str]) -> str:
@@ -329,9 +333,12 @@ def _gone(me: Member, where: str) -> str:
     )
 
 
-def _decide(store: Store, me: Member, verdict: dict[str, Any], where: str, hosts: bool) -> NoReturn:
-    """Write ``verdict`` as the outcome unless one exists (every joined rank wakes with it), then raise it."""
-    verdict = {**verdict, "where": where, "readers": int(store.add("joined", 0)) + 1}
+def _decide(store: Store, me: Member, verdict: dict[str, Any], where: str, hosts: bool, *, joined: bool) -> NoReturn:
+    """Write ``verdict`` as the outcome unless one exists (every joined rank wakes with it), then raise it.
+
+    ``joined``: whether this rank is counted in ``joined`` (its readers are the joined ranks, and itself).
+    """
+    verdict = {**verdict, "where": where, "readers": int(store.add("joined", 0)) + (0 if joined else 1)}
     outcome = store.compare_set("outcome", "", json.dumps(verdict))
     _raise(store, me, verdict if outcome == b"ok" else json.loads(outcome), hosts)
 

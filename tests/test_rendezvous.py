@@ -290,3 +290,46 @@ def test_two_nodes_of_lightnings_launcher_fit_with_a_constant_number_of_store_op
         ops = re.search(rf"script: rank {rank} rendezvous store ops: (\d+)", run.output)
         assert ops is not None and int(ops.group(1)) <= 7, run.describe()
     assert json.loads(out.read_text())["global_step"] == 2
+
+
+def torchrun_node(node_rank: int, port: int, nnodes: int, *args: str, rdzv_timeout: int | None = None) -> list[str]:
+    cmd = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1", "--node-rank"]
+    cmd += [str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmd += ["--rdzv-conf", f"timeout={rdzv_timeout}"] if rdzv_timeout is not None else []
+    return [*cmd, SCRIPT, *args]
+
+
+@pytest.mark.multiprocess
+def test_torchrun_agent_waits_silently_for_a_missing_node_before_any_worker_starts():
+    """torchrun's own (static) rendezvous waits for every node's agent before it starts a worker: silent until its
+    timeout (600 s by default; 10 s here), then its error. The strategy never runs."""
+    run = run_script(torchrun_node(0, free_port(), 2, "--num-nodes", "2", rdzv_timeout=10), timeout=120)
+    assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+    assert re.search(r"DistStoreError: Timed out after \d+ seconds waiting for clients. 1/2 clients joined.", run.output)
+    assert "script:" not in run.output  # no worker was started
+
+
+@pytest.mark.multiprocess
+def test_torchrun_node_whose_trainer_disagrees_is_named_as_missing_by_the_other():
+    """torchrun --nnodes 2 on both nodes; node 1's Trainer(num_nodes=3): Lightning's ValueError there, and node 0's
+    rendezvous names node 1 / rank 1 as missing with torchrun's likely causes, then times out (8 s)."""
+    port = free_port()
+    runs: list[Run | None] = [None, None]
+
+    def node(rank: int) -> None:
+        args = ["--num-nodes", str(2 + rank), "--interval", "2", "--timeout", "8"]
+        runs[rank] = run_script(torchrun_node(rank, port, 2, *args), timeout=150)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    node0, node1 = runs
+    assert node0 is not None and node1 is not None
+    for run in (node0, node1):
+        assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+    assert "ValueError: You set `devices=1` and `num_nodes=3` in Lightning" in node1.output, node1.describe()
+    assert "cluster environment TorchElasticEnvironment). Joined: node 0 on " in node0.output, node0.describe()
+    assert ": rank 0. Missing: node 1: rank 1. Likely causes: torchrun's agents had all met" in node0.output
+    assert f"RendezvousError: The rendezvous at 127.0.0.1:{port} timed out: 1 of 2 ranks joined" in node0.output

@@ -269,8 +269,8 @@ def _causes(me: Member, where: str) -> str:
     if me.environment == "TorchElasticEnvironment":
         return (
             "Likely causes: torchrun's agents had all met before they started the workers, so a missing rank is a "
-            "worker that failed or hangs before the strategy's setup (see that node's output), or a node whose "
-            "torchrun has other --nnodes/--nproc-per-node."
+            "worker that failed or hangs before the strategy's setup (see that node's output), e.g. Lightning's "
+            "ValueError when Trainer(num_nodes=..., devices=...) does not match torchrun's --nnodes/--nproc-per-node."
         )
     return (
         f"Likely causes: a node that was not started, or failed before this point (see its output); a node started "

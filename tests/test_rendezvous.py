@@ -74,25 +74,34 @@ def test_every_rank_joins_with_the_same_store_work_whatever_the_world_size(world
     assert max(s.keys for s in stores) == 7
 
 
-def test_a_missing_node_is_named_by_the_first_rank_with_the_likely_causes(caplog):
-    members = [member(r, 4) for r in (0, 1)]  # node 1 (ranks 2-3) never starts
+def test_missing_ranks_are_named_by_node_by_the_first_rank_with_the_likely_causes(caplog):
+    """World size 6 (3 nodes x 2): ranks 0-2 join; node 1 lacks rank 3, node 2 never starts."""
+    members = [member(r, 6) for r in (0, 1, 2)]
     with caplog.at_level(logging.WARNING, logger="ddp_strategy.rendezvous"):
-        errors, stores = join_all(members, interval=0.5, timeout=2.0)
-    reports = [r.getMessage() for r in caplog.records if "2 of 4 ranks joined" in r.getMessage()]
+        errors, stores = join_all(members, interval=0.5, timeout=2.0, stagger=0.05)
+    lines = [r.getMessage() for r in caplog.records]
+    reports = [line for line in lines if "3 of 6 ranks joined after" in line]
     assert reports, caplog.text
-    assert "Joined: node 0 on host0: ranks 0-1. Missing: node 1: ranks 2-3." in reports[0]
+    joined = "Joined: node 0 on host0: ranks 0-1; node 1 on host1: rank 2. Missing: node 1: rank 3; node 2: ranks 4-5."
+    assert joined in reports[0]
     assert "NODE_RANK" in reports[0] and "MASTER_ADDR/MASTER_PORT" in reports[0] and "port 29500" in reports[0]
-    for err in errors:  # the timeout: the same error on both ranks, naming the missing ranks
-        assert isinstance(err, RendezvousError) and err.missing_ranks == (2, 3), errors
-        assert "The rendezvous at 10.0.0.1:29500 timed out" in str(err) and "Missing: node 1: ranks 2-3" in str(err)
-    # the reporter reads the joined list and the announcements (one multi_get) per report; the other, a count
-    assert stores[1].by_key.get("multi_get", 0) == 0
+    # node 1's local rank 0 gives the count and who lists the missing ranks; rank 1 (local rank 1) prints nothing
+    count = "rank 2 (node 1, local rank 0, host host1) waits for the other ranks: 3 of 6 joined after"
+    assert any(
+        count in line and "rank 0 (node 0, local rank 0, host host0), the first to join" in line for line in lines
+    )
+    assert not any("rank 1 (node 0, local rank 1" in line for line in lines)
+    for err in errors:  # the timeout: the same error on every rank, naming the missing ranks
+        assert isinstance(err, RendezvousError) and err.missing_ranks == (3, 4, 5), errors
+        assert "The rendezvous at 10.0.0.1:29500 timed out" in str(err) and "node 2: ranks 4-5" in str(err)
+    # only the reporter reads the announcements (multi_get); the others read one count per interval at most
+    assert stores[0].by_key.get("multi_get", 0) >= 1
+    assert stores[1].by_key.get("multi_get", 0) == 0 and stores[2].by_key.get("multi_get", 0) == 0
 
 
-@pytest.mark.parametrize("second", ["bigger", "smaller"])
-def test_set_ups_that_disagree_raise_on_every_rank_that_joined(second):
-    two, three = member(0, 2, 1), member(1, 3, 1)  # node 0 for num_nodes=2, node 1 for num_nodes=3
-    members = [two, three] if second == "bigger" else [three.__class__(**{**three.__dict__, "rank": 0}), two]
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)])
+def test_set_ups_that_disagree_raise_on_every_rank_that_joined(sizes):
+    members = [member(0, sizes[0], 1), member(1, sizes[1], 1)]  # num_nodes=2 on one node, 3 on the other
     start = time.monotonic()
     errors, _ = join_all(members, interval=30.0, timeout=60.0, stagger=0.3)
     assert time.monotonic() - start < 10
@@ -305,7 +314,9 @@ def test_torchrun_agent_waits_silently_for_a_missing_node_before_any_worker_star
     timeout (600 s by default; 10 s here), then its error. The strategy never runs."""
     run = run_script(torchrun_node(0, free_port(), 2, "--num-nodes", "2", rdzv_timeout=10), timeout=120)
     assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
-    assert re.search(r"DistStoreError: Timed out after \d+ seconds waiting for clients. 1/2 clients joined.", run.output)
+    assert re.search(
+        r"DistStoreError: Timed out after \d+ seconds waiting for clients. 1/2 clients joined.", run.output
+    )
     assert "script:" not in run.output  # no worker was started
 
 

@@ -293,10 +293,16 @@ def _mismatch(me: Member, first: Member, joined: int) -> dict[str, Any]:
         "fields": fields,
         "message": f"The ranks were started for different set-ups: {me.who()} for {me.setup_text()}, but "
         f"{first.who()}, the first of the {joined} rank(s) that joined before it, for {first.setup_text()} "
-        f"(cluster environments {me.environment} and {first.environment}). Start every node with the same "
+        f"({_environments(me, first)}). Start every node with the same "
         "Trainer(num_nodes=..., devices=...) (under SLURM: --nodes and --ntasks-per-node; under torchrun: --nnodes "
         "and --nproc-per-node), each with its own NODE_RANK.",
     }
+
+
+def _environments(me: Member, first: Member) -> str:
+    if me.environment == first.environment:
+        return f"cluster environment {me.environment}"
+    return f"cluster environments {me.environment} and {first.environment}"
 
 
 def _duplicate(me: Member, holder: Member) -> dict[str, Any]:

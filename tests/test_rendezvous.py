@@ -170,6 +170,7 @@ class Watch:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial  # asserts a bound of seconds
 def test_a_node_that_never_starts_is_reported_by_node_and_the_timeout_names_it(tmp_path):
     """Lightning's launcher, num_nodes=2, devices=1, NODE_RANK=0 only: a line every 2 s naming node 1 / rank 1 and
     the likely causes, then at rendezvous_timeout=10 s a RendezvousError listing rank 1; exit code 1."""
@@ -192,6 +193,7 @@ def test_a_node_that_never_starts_is_reported_by_node_and_the_timeout_names_it(t
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stock_lightning_waits_silently_for_a_node_that_never_starts():
     port = free_port()
     marker = "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2"
@@ -223,6 +225,7 @@ def two_nodes(port: int, node0: list[str], node1: list[str], timeout: float = 12
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial  # asserts a bound of seconds
 def test_nodes_started_for_different_num_nodes_raise_on_both_within_seconds():
     """Node 0 with num_nodes=2, node 1 with num_nodes=3 (report interval 30 s, no rendezvous timeout): both raise
     the same SetupMismatchError naming both set-ups, within seconds of the second one's fit start."""
@@ -252,6 +255,7 @@ STOCK_REGISTERED = (
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stock_lightning_waits_silently_when_nodes_disagree_on_num_nodes():
     """Both nodes are stopped together once both were silent for 15 s after their MEMBER line (stopping one first
     would end the other's wait with a gloo error); their outputs are taken at that moment."""
@@ -289,6 +293,7 @@ def test_stock_lightning_waits_silently_when_nodes_disagree_on_num_nodes():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial  # asserts a bound of seconds
 def test_a_node_that_cannot_reach_master_port_names_the_address():
     """Node 1 alone, MASTER_PORT a port nothing listens on: a line every 2 s naming MASTER_ADDR:MASTER_PORT and what
     to check, then a RendezvousError at rendezvous_timeout=8 s."""

@@ -20,6 +20,7 @@ def test_public_names_and_error_hierarchy():
         "CollectiveMismatchError",
         "CheckpointIntegrityError",
         "SetupMismatchError",
+        "RendezvousError",
         "CheckpointWriteError",
         "UnsafeCheckpointError",
     ):

@@ -17,6 +17,7 @@ __all__ = [
     "DDPStrategyError",
     "DuplicateDeviceError",
     "RankDivergenceError",
+    "RendezvousError",
     "SetupMismatchError",
     "ShardingError",
     "UnevenEvaluationError",
@@ -58,6 +59,25 @@ class SetupMismatchError(DDPStrategyError):
     def __init__(self, message: str, *, fields: Sequence[str]) -> None:
         super().__init__(message)
         self.fields = tuple(fields)
+
+
+class RendezvousError(DDPStrategyError):
+    """The ranks did not all meet at the start: the rendezvous store was unreachable, or ranks were missing.
+
+    Raised by every rank that reached the store when ``rendezvous_timeout`` ends (or the store's host went away),
+    and by a rank that could not reach ``MASTER_ADDR:MASTER_PORT`` at all.
+
+    Attributes:
+        address: ``MASTER_ADDR:MASTER_PORT``.
+        missing_ranks: the global ranks that never joined (``(0,)`` for an unreachable store: rank 0 hosts it;
+            empty when this rank could not tell).
+
+    """
+
+    def __init__(self, message: str, *, address: str, missing_ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.address = address
+        self.missing_ranks = tuple(missing_ranks)
 
 
 class RankDivergenceError(DDPStrategyError):

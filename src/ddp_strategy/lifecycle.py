@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -35,6 +34,7 @@ from .fork_safety import fork_hazard, pin_collective_threads
 from .options import StrategyOptions
 from .peers import diagnose_failed_peers
 from .preemption import Preempted
+from .rendezvous import member_of, open_rendezvous
 
 __all__ = ["RunLifecycle"]
 
@@ -57,6 +57,8 @@ class RunLifecycle:
         self.barrier_timeout = options.barrier_timeout
         self.heartbeat_interval = options.heartbeat_interval
         self.desync_detection = options.desync_detection
+        self.rendezvous_report_interval = options.rendezvous_report_interval
+        self.rendezvous_timeout = options.rendezvous_timeout
         #: The control plane, between :meth:`start` and :meth:`close`.
         self.control: ControlPlane | None = None
         #: The desync monitor, while the control plane exists and desync detection is on (several ranks).
@@ -84,11 +86,23 @@ class RunLifecycle:
         # torch's recorder reads its size when the first process group is made (the environment is restored after)
         tracing = collective_trace_enabled(TRACE_ENTRIES) if self.desync_detection else contextlib.nullcontext(0)
         with tracing:
-            created = init_default_process_group(strategy, store=_elastic_attempt_store)
+            created = init_default_process_group(strategy, store=lambda _, timeout: self._rendezvous(strategy, timeout))
         if created and strategy.process_group_backend != "nccl":  # Lightning registers this for NCCL itself
             # The default group outlives teardown (fit, then validate/test, reuse it, as in stock Lightning) and
             # is destroyed when the process exits.
             atexit.register(destroy_default_process_group)
+
+    def _rendezvous(self, strategy: Any, timeout: timedelta | None) -> Any:
+        """The reporting rendezvous (``rendezvous.py``); its store goes to ``init_process_group``."""
+        environment = strategy.cluster_environment
+        return open_rendezvous(
+            member_of(strategy),
+            environment.main_address,
+            environment.main_port,
+            interval=self.rendezvous_report_interval,
+            timeout=self.rendezvous_timeout,
+            pg_timeout=timeout if timeout is not None else timedelta(minutes=30),
+        )
 
     def start(self, world_size: int, progress: Callable[[], tuple[int, int] | None]) -> None:
         """At ``setup_environment``: create the control plane (and desync monitor) unless it exists; not failed.
@@ -243,24 +257,3 @@ class RunLifecycle:
                 reason="desync",
             )
         raise error
-
-
-def _elastic_attempt_store(world_size: int, timeout: timedelta | None) -> Any:
-    """Under a restarted torchrun job, the agent's store seen through a namespace of this attempt; else ``None``.
-
-    torchrun (c10d rendezvous) shares its agent's TCPStore with the workers and keeps it across restarts, but
-    ``init_process_group(init_method="env://")`` no longer namespaces its keys by attempt, so the restarted workers
-    read the previous attempt's gloo/NCCL addresses and fail with "Connection refused" (pytorch/pytorch#135712).
-    Prefixing with ``TORCHELASTIC_RESTART_COUNT``, as torch itself did before, keeps every attempt apart.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
-        return None
-    client = dist.TCPStore(  # type: ignore[attr-defined]
-        host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
-        world_size=world_size,
-        is_master=False,
-        timeout=timeout if timeout is not None else timedelta(minutes=30),
-    )
-    return dist.PrefixStore(f"/worker/attempt_{attempt}", client)  # type: ignore[attr-defined]

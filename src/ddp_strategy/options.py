@@ -92,6 +92,13 @@ class StrategyOptions:
             rank, within seconds, when the ranks' calls differ or every rank waits in a collective another never
             enters (:class:`~ddp_strategy.errors.UnevenInputsError` for uneven training inputs). Default: ``True``;
             needs the heartbeat (``heartbeat_interval > 0``). See :mod:`ddp_strategy.desync`.
+        rendezvous_report_interval: seconds between the lines the start-up rendezvous prints while ranks are missing
+            (which ranks joined and which are missing, by node, with the likely causes) or while
+            ``MASTER_ADDR:MASTER_PORT`` cannot be reached. Default: 30. See :mod:`ddp_strategy.rendezvous`.
+        rendezvous_timeout: how long the start-up rendezvous waits for every rank before it raises
+            :class:`~ddp_strategy.errors.RendezvousError` listing the missing ranks, as seconds or a ``timedelta``;
+            ``None`` (default): the process group's ``timeout`` (30 minutes unless given), as torch's own
+            rendezvous.
 
     """
 
@@ -110,6 +117,8 @@ class StrategyOptions:
     track_trainable_set: bool = True
     preemption_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)
     desync_detection: bool = True
+    rendezvous_report_interval: float = 30.0
+    rendezvous_timeout: timedelta | None = None
 
     @classmethod
     def from_arguments(
@@ -130,6 +139,8 @@ class StrategyOptions:
         track_trainable_set: bool = True,
         preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
         desync_detection: bool = True,
+        rendezvous_report_interval: float = 30.0,
+        rendezvous_timeout: float | timedelta | None = None,
     ) -> StrategyOptions:
         """Validate the arguments users pass to the strategy and normalize them (the one place that does).
 
@@ -138,8 +149,9 @@ class StrategyOptions:
             ``preemption_signals`` a tuple of signals.
 
         Raises:
-            ValueError: ``barrier_timeout`` is not a positive number of seconds or ``timedelta``,
-                ``heartbeat_interval`` is negative or not a number, ``preemption_signals`` names no handleable
+            ValueError: ``barrier_timeout`` (or a ``rendezvous_timeout`` that is not ``None``) is not a positive
+                number of seconds or ``timedelta``, ``heartbeat_interval`` is negative or not a number,
+                ``rendezvous_report_interval`` is not a positive number, ``preemption_signals`` names no handleable
                 signal, or ``async_snapshot``, ``save_on``, ``predictions_on``, ``sharding_check``,
                 ``uneven_inputs`` or ``weight_check`` is not one of its values.
 
@@ -147,6 +159,11 @@ class StrategyOptions:
         timeout = to_timedelta(barrier_timeout, name="barrier_timeout")
         if not isinstance(heartbeat_interval, (int, float)) or heartbeat_interval < 0:
             raise ValueError(f"`heartbeat_interval` must be a number of seconds >= 0, got {heartbeat_interval!r}.")
+        interval = rendezvous_report_interval
+        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0:
+            raise ValueError(f"`rendezvous_report_interval` must be a number of seconds > 0, got {interval!r}.")
+        wait = rendezvous_timeout
+        rendezvous_wait = None if wait is None else to_timedelta(wait, name="rendezvous_timeout")
         _check_choice("async_snapshot", async_snapshot, _ASYNC_SNAPSHOT)
         _check_choice("save_on", save_on, _SAVE_ON)
         _check_choice("predictions_on", predictions_on, PREDICTIONS_ON)
@@ -174,6 +191,8 @@ class StrategyOptions:
             track_trainable_set=track_trainable_set,
             preemption_signals=parse_signals(preemption_signals),
             desync_detection=bool(desync_detection),
+            rendezvous_report_interval=float(interval),
+            rendezvous_timeout=rendezvous_wait,
         )
 
     @property

@@ -98,6 +98,8 @@ class SafeDDPStrategy(DDPStrategy):
         track_trainable_set: bool = True,
         preemption_signals: Sequence[str | int] | None = DEFAULT_PREEMPTION_SIGNALS,
         desync_detection: bool = True,
+        rendezvous_report_interval: float = 30.0,
+        rendezvous_timeout: float | timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
@@ -110,7 +112,8 @@ class SafeDDPStrategy(DDPStrategy):
             predictions_on=predictions_on, sharding_check=sharding_check, uneven_inputs=uneven_inputs,
             weight_check=weight_check, weight_check_exclude=weight_check_exclude,
             track_trainable_set=track_trainable_set, preemption_signals=preemption_signals,
-            desync_detection=desync_detection,
+            desync_detection=desync_detection, rendezvous_report_interval=rendezvous_report_interval,
+            rendezvous_timeout=rendezvous_timeout,
         )  # fmt: skip
         #: DDP's gradient-bucket layout, saved in checkpoints and restored on resume (bit-exact at 3+ ranks).
         self.bucket_layout = BucketLayoutKeeper()

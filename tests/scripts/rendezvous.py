@@ -1,0 +1,87 @@
+"""One "node" of a multi-node run whose rendezvous the tests watch (tests/test_rendezvous.py).
+
+Usage: NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python rendezvous.py --num-nodes N --devices D
+       [--strategy safe_ddp|ddp] [--interval S] [--timeout S] [--out RESULT.json]
+
+Lightning's launcher starts the node's other local ranks (devices > 1); under torchrun the environment says who is
+who. A short fit of scenario.py's model; rank 0 writes --out when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from lightning_namespace import SafeDDPStrategy, ddp_strategy, pl
+from scenario import TinyModel, loaders
+
+
+def count_rendezvous_store_ops() -> None:
+    """Count the store operations of this rank's rendezvous (``rendezvous.join``'s store); print them after it."""
+    module = ddp_strategy.rendezvous
+    original = module.join
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.ops = inner, 0
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(self.inner, name)
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.ops += 1
+                return method(*args, **kwargs)
+
+            return counted
+
+    def join(store: Any, me: Any, **kwargs: Any) -> None:
+        counting = Counting(store)
+        original(counting, me, **kwargs)
+        print(f"script: rank {me.rank} rendezvous store ops: {counting.ops}", flush=True)
+
+    module.join = join
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-nodes", type=int, required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="safe_ddp", choices=["safe_ddp", "ddp"])
+    parser.add_argument("--interval", type=float, default=30.0, help="SafeDDPStrategy(rendezvous_report_interval=)")
+    parser.add_argument("--timeout", type=float, default=None, help="SafeDDPStrategy(rendezvous_timeout=)")
+    parser.add_argument("--count-store-ops", action="store_true", help="print the rendezvous' store operations")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    print(f"script: rank process {os.getpid()} imports ddp_strategy from {ddp_strategy.__file__}", flush=True)
+    if args.count_store_ops:
+        count_rendezvous_store_ops()
+    strategy: object = "ddp"
+    if args.strategy == "safe_ddp":
+        strategy = SafeDDPStrategy(rendezvous_report_interval=args.interval, rendezvous_timeout=args.timeout)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        max_epochs=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    train, val = loaders()
+    started = time.time()
+    print(f"script: fit starts at {started:.3f}", flush=True)
+    trainer.fit(TinyModel(), train, val)
+    if trainer.is_global_zero and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "started": started}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,10 +23,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+T = TypeVar("T")
 
 
 @dataclass
@@ -216,23 +217,42 @@ def torchrun_two_nodes(
     command (e.g. a private mount namespace). Returns node 0's and node 1's runs; rank 0's JSON is node 0's result.
     """
     port = free_port()
-    runs: list[Run | None] = [None, None]
 
-    def node(rank: int) -> None:
+    def node(rank: int) -> Run:
         out = tmp_path / f"node{rank}.json"
         cmd = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(rank)]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPTS / "scenario.py"), "fit_ok"]
         cmd += ["--out", str(out), "--devices", str(nproc), "--num-nodes", "2", *args]
         prefix = node1_prefix if rank == 1 else None
-        runs[rank] = run_script(cmd, timeout=timeout, out=out, env=env, prefix=prefix)
+        return run_script(cmd, timeout=timeout, out=out, env=env, prefix=prefix)
 
-    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    return at_once(lambda: node(0), lambda: node(1))
+
+
+def at_once(*jobs: Callable[[], T]) -> list[T]:
+    """Run each of ``jobs`` in a thread of its own, all started together (e.g. two "nodes"); their results, in order.
+
+    Raises:
+        AssertionError: a job raised (its error is chained).
+
+    """
+    results: list[tuple[bool, Any]] = [(False, None)] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = (True, jobs[i]())
+        except BaseException as err:  # re-raised below, in the test's thread
+            results[i] = (False, err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert runs[0] is not None and runs[1] is not None
-    return [runs[0], runs[1]]
+    for ok, value in results:
+        if not ok:
+            raise AssertionError(f"a job run at once failed: {value!r}") from value
+    return [value for _, value in results]
 
 
 def stock_fit_finished(run: Run) -> bool:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ddp_strategy import SafeDDPStrategy
 from ddp_strategy.errors import RendezvousError, SetupMismatchError
 from ddp_strategy.rendezvous import PREFIX, Member, join
-from tests.proc import SCRIPTS, Run, free_port, run_script, run_script_until
+from tests.proc import SCRIPTS, Run, at_once, free_port, run_script, run_script_until
 from tests.test_control_scale import CountingStore
 
 
@@ -209,19 +209,12 @@ def test_stock_lightning_waits_silently_for_a_node_that_never_starts():
 
 def two_nodes(port: int, node0: list[str], node1: list[str], timeout: float = 120) -> list[tuple[Run, float]]:
     """Node 0 and node 1 of Lightning's launcher, started at once: each one's run and when it ended (``time.time``)."""
-    runs: list[tuple[Run, float] | None] = [None, None]
 
-    def node(rank: int, args: list[str]) -> None:
+    def node(rank: int, args: list[str]) -> tuple[Run, float]:
         run = run_script([SCRIPT, *args], timeout=timeout, env=node_env(rank, port))
-        runs[rank] = (run, time.time())
+        return run, time.time()
 
-    threads = [threading.Thread(target=node, args=(r, a)) for r, a in enumerate((node0, node1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert runs[0] is not None and runs[1] is not None
-    return [runs[0], runs[1]]
+    return at_once(lambda: node(0, node0), lambda: node(1, node1))
 
 
 @pytest.mark.multiprocess
@@ -260,7 +253,6 @@ def test_stock_lightning_waits_silently_when_nodes_disagree_on_num_nodes():
     """Both nodes are stopped together once both were silent for 15 s after their MEMBER line (stopping one first
     would end the other's wait with a gloo error); their outputs are taken at that moment."""
     port = free_port()
-    runs: list[Run | None] = [None, None]
     markers = ["MEMBER: 1/2", "MEMBER: 2/3"]
     last: dict[int, tuple[str, float]] = {}  # each node's output and its silence after its marker, at the last look
     silent: list[dict[int, str]] = []  # both outputs when both had been silent for 15 s
@@ -274,18 +266,14 @@ def test_stock_lightning_waits_silently_when_nodes_disagree_on_num_nodes():
 
         return stop
 
-    def node(rank: int) -> None:
+    def node(rank: int) -> Run:
         args = [SCRIPT, "--num-nodes", str(2 + rank), "--strategy", "ddp"]
-        runs[rank] = run_script_until(args, timeout=120, stop=stop_for(rank), env=node_env(rank, port))
+        return run_script_until(args, timeout=120, stop=stop_for(rank), env=node_env(rank, port))
 
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert silent, [run and run.describe() for run in runs]
+    runs = at_once(lambda: node(0), lambda: node(1))
+    assert silent, [run.describe() for run in runs]
     for rank, (run, marker) in enumerate(zip(runs, markers, strict=True)):
-        assert run is not None and run.stopped and not run.orphans, run and run.describe()
+        assert run.stopped and not run.orphans, run.describe()
         after = silent[0][rank].split(f"Initializing distributed: GLOBAL_RANK: {rank}, {marker}")[1]
         # node 0 sometimes pairs with node 1's rank 1 in init_process_group (gloo connects rank 0 to rank 1 only),
         # prints Lightning's "All distributed processes registered", and then waits in the first collective
@@ -349,19 +337,12 @@ def test_torchrun_node_whose_trainer_disagrees_is_named_as_missing_by_the_other(
     """torchrun --nnodes 2 on both nodes; node 1's Trainer(num_nodes=3): Lightning's ValueError there, and node 0's
     rendezvous names node 1 / rank 1 as missing with torchrun's likely causes, then times out (8 s)."""
     port = free_port()
-    runs: list[Run | None] = [None, None]
 
-    def node(rank: int) -> None:
+    def node(rank: int) -> Run:
         args = ["--num-nodes", str(2 + rank), "--interval", "2", "--timeout", "8"]
-        runs[rank] = run_script(torchrun_node(rank, port, 2, *args), timeout=150)
+        return run_script(torchrun_node(rank, port, 2, *args), timeout=150)
 
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    node0, node1 = runs
-    assert node0 is not None and node1 is not None
+    node0, node1 = at_once(lambda: node(0), lambda: node(1))
     for run in (node0, node1):
         assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
     assert "ValueError: You set `devices=1` and `num_nodes=3` in Lightning" in node1.output, node1.describe()

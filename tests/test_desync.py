@@ -70,12 +70,13 @@ CASES = {
 }
 
 #: where rank 1 waits when rank 0 is in its rank-0-only collective of an evaluation: one of the strategy's barriers
-#: (exact evaluation's at the end of the loop, the teardown's after predict), so the message names a barrier
+#: (exact evaluation's at the end of the loop; after predict's batches, the preemption stop's end-of-stage gather,
+#: which comes before the prediction gather), so the message names a barrier
 STRATEGY_BARRIER = {
     "validation-rank-zero": "exact-eval:logged-keys",
     "validation-step-rank-zero": "exact-eval:batches-run",
     "test-rank-zero": "exact-eval:logged-keys",
-    "predict-rank-zero": "strategy-calls",
+    "predict-rank-zero": "preemption:predict-end",
 }
 STAGE_DONE = re.compile(r"rank=\d (fit|test|predict)-done")
 

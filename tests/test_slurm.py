@@ -374,6 +374,27 @@ def test_scancel_during_trainer_test_ends_cancelled_with_143_and_one_line_per_ta
     assert_no_process_left(job)
 
 
+@runs_jobs
+@pytest.mark.timeout(200)
+def test_a_task_that_fails_before_fit_is_named_missing_with_slurms_causes(cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 29, point 1, under SLURM: task 1 fails before ``fit`` (exit 3); rank 0's rendezvous names rank 1 as
+    missing with SLURM's likely causes (``--nodes``, ``--ntasks-per-node``, ``srun``, a task that failed) every 2 s,
+    then raises ``RendezvousError`` at its 10 s timeout; the job FAILED, no process left."""
+    args = [str(SCRIPTS / "rendezvous.py"), "--num-nodes", "1", "--devices", "2", "--interval", "2"]
+    job = cluster.submit(tmp_path, "rendezvous-missing", [*args, "--timeout", "10", "--exit-on-rank", "1"])
+    record = job.wait_until_gone(timeout=120)
+    assert record["JobState"] == "FAILED", job.describe()
+    assert sorted((e.task, e.outcome) for e in job.task_exits()) == [(0, "exit code 1"), (1, "exit code 3")]
+    rank0 = "\n".join(lines_of(job.output(), 0))
+    assert "cluster environment SLURMEnvironment). Joined: node 0 on " in rank0, job.describe()
+    assert (
+        "Missing: node 0: rank 1. Likely causes: SLURM started fewer than 2 tasks: the job needs --nodes=1 and "
+        "--ntasks-per-node=2" in rank0
+    ), job.describe()
+    assert "or a task failed before this point" in rank0 and "RendezvousError" in rank0, job.describe()
+    assert_no_process_left(job)
+
+
 def barrier_job(cluster: Cluster, tmp_path: Path, strategy: str) -> tuple[Job, float]:
     """``scenario.py barrier_rank0_only --barrier-timeout 600``: rank 0 alone calls ``strategy.barrier("only_rank0")``
     at global step 2 (4 steps per epoch). Returns the job and when its training started (the first line of fit)."""
@@ -443,5 +464,5 @@ def test_slurm_page_names_every_test_of_this_file_and_only_those() -> None:
     named = set(re.findall(r"`(test_\w+)`", page))
     job_tests = {name for name, f in globals().items() if name.startswith("test_") and hasattr(f, "pytestmark")}
     job_tests = {name for name in job_tests if any(m.name == "slurm" for m in globals()[name].pytestmark)}
-    assert len(job_tests) == 8 and named <= job_tests | {"test_sigusr1_is_handled_when_listed"}, named - job_tests
+    assert len(job_tests) == 9 and named <= job_tests | {"test_sigusr1_is_handled_when_listed"}, named - job_tests
     assert job_tests <= named, job_tests - named

@@ -1,7 +1,7 @@
 """One "node" of a multi-node run whose rendezvous the tests watch (tests/test_rendezvous.py).
 
 Usage: NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python rendezvous.py --num-nodes N --devices D
-       [--strategy safe_ddp|ddp] [--interval S] [--timeout S] [--out RESULT.json]
+       [--strategy safe_ddp|ddp] [--interval S] [--timeout S] [--out RESULT.json] [--exit-on-rank R]
 
 Lightning's launcher starts the node's other local ranks (devices > 1); under torchrun the environment says who is
 who. A short fit of scenario.py's model; rank 0 writes --out when it ends.
@@ -54,7 +54,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None, help="SafeDDPStrategy(rendezvous_timeout=)")
     parser.add_argument("--count-store-ops", action="store_true", help="print the rendezvous' store operations")
     parser.add_argument("--out")
+    parser.add_argument("--exit-on-rank", type=int, help="this global rank (SLURM_PROCID) exits with 3 before fit")
     args = parser.parse_args()
+    if args.exit_on_rank is not None and os.environ.get("SLURM_PROCID") == str(args.exit_on_rank):
+        print(f"script: rank {args.exit_on_rank} fails before fit", flush=True)  # as a task that crashed early
+        raise SystemExit(3)
     print(f"script: rank process {os.getpid()} imports ddp_strategy from {ddp_strategy.__file__}", flush=True)
     if args.count_store_ops:
         count_rendezvous_store_ops()

@@ -310,15 +310,14 @@ class PreemptionHandling:
         if not self.signals or stage is None:
             return
         control = self._control()
+        if control is None:  # no control plane (outside a run): nothing to agree over, Lightning's handling applies
+            return
         # one blocked store wait per rank learns of a signal on any rank (no polling; see preemption.NoticeWatch)
-        watch = None
-        if control is not None and world_size > 1:
-            watch = NoticeWatch(control.connect(), rank=rank, waker=control.store)
+        watch = NoticeWatch(control.connect(), rank=rank, waker=control.store) if world_size > 1 else None
         start = train_position(0) if stage == "fit" else evaluation_position(0, -1)
         agreement = PreemptionAgreement(
-            rank=rank, world_size=world_size if watch is not None else 1, start=start, watch=watch,
-            timeout=self._timeout.total_seconds(),
-        )  # fmt: skip
+            rank=rank, world_size=world_size, start=start, watch=watch, timeout=self._timeout.total_seconds()
+        )
         self.stop = PreemptionStop(agreement, self._control, self._finish_writes, stage, self._at_validation_start)
         add_callback(trainer, self.stop, replace=PreemptionStop)
         handle_signals_during_run(trainer, self.signals, agreement.request, self.deliver_unused_signal)

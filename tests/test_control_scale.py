@@ -333,3 +333,46 @@ def test_ranks_that_fail_together_survey_their_peers_once(caplog):
     assert all(d.gone == (15,) or d.failed == (surveyors[0],) for d in found.values())
     for plane in planes:
         plane.close()
+
+
+def test_after_an_inquiry_finds_nothing_in_a_wait_the_ranks_beat_at_the_normal_pace_again(monkeypatch):
+    # every rank waits in the same collective for minutes (a long checkpoint write on another thread, a slow loader):
+    # the one inquiry for that wait finds no divergence, and is not reopened while the wait lasts; the fast beats,
+    # there to answer an inquiry quickly, stop too (before: 5 polls a second per rank for the whole wait)
+    world_size = 8
+    wait = ["collective 0#7"]
+    monkeypatch.setattr(DesyncMonitor, "_current_wait", lambda self: (wait[0], time.time() - 60))
+    monkeypatch.setattr(
+        DesyncMonitor,
+        "report",
+        lambda self: RankReport(rank=self.control.rank, calls=(), waiting=wait[0], waiting_since=1.0, step=2),
+    )
+    shared = dist.HashStore()
+    stores = [CountingStore(shared) for _ in range(world_size)]
+    controls = [_BeatingControl(r, world_size, stores[r]) for r in range(world_size)]
+    monitors = [DesyncMonitor(c, CallNotes()) for c in controls]  # type: ignore[arg-type]
+    fast_before: dict[int, bool] = {}
+
+    def beat_until_answered(monitor: DesyncMonitor, store: CountingStore) -> None:
+        monitor.beat(store)  # counts itself stuck
+        fast_before[monitor.control.rank] = monitor.control.heartbeat.fast_beat
+        deadline = time.monotonic() + 30
+        while monitor._answered < 1 and time.monotonic() < deadline:
+            monitor.beat(store)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=beat_until_answered, args=pair) for pair in zip(monitors, stores, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a simulated rank hung"
+    assert fast_before == dict.fromkeys(range(world_size), True)  # fast while an inquiry may come
+    assert int(shared.add("desync/inquiry", 0)) == 1  # one inquiry for the whole wait
+    for monitor, store in zip(monitors, stores, strict=True):
+        assert monitor.control.desync_error is None  # nothing diverged
+        monitor.beat(store)
+        assert not monitor.control.heartbeat.fast_beat  # the normal pace again
+    wait[0] = "collective 0#8"  # a new wait: an inquiry may come again, so the beats are fast again
+    monitors[3].beat(stores[3])
+    assert monitors[3].control.heartbeat.fast_beat

@@ -217,9 +217,14 @@ class DesyncMonitor:
         what, since = self._wait
         stuck = bool(what) and time.time() - since >= self.stuck_after
         control.heartbeat.set_waiting(what if stuck else "", since if stuck else 0.0)
+        # answer inquiries quickly while one may come; once every rank answered one for this very wait without
+        # finding a divergence (a long checkpoint write, a slow loader), none is reopened for it: beat at the normal
+        # pace again (after a verdict, fast: the ranks leave in order, rank 0 first, see `_break_if_blocked`)
         control.heartbeat.fast_beat = (
-            bool(what) and time.time() - since >= self.stuck_after / 2
-        )  # answer inquiries quickly
+            bool(what)
+            and time.time() - since >= self.stuck_after / 2
+            and (what not in self._inquired or control.desync_error is not None)
+        )
         if control.desync_error is not None:
             self._break_if_blocked(store)
             return

@@ -1,7 +1,7 @@
 """Tiny-model step: a raw DDP loop, stock ``DDPStrategy`` and ``SafeDDPStrategy()`` side by side (issue 30, point 3).
 
     python bench/tiny_step.py              # full run: JSON + Markdown in bench/results/tiny_step.{json,md}
-    python bench/tiny_step.py --quick      # smoke run (2 rounds of shorter fits): bench/results/tiny_step-quick.*
+    python bench/tiny_step.py --quick      # smoke run (2 rounds, shorter fits): bench/results/tiny_step-quick.*
     python bench/tiny_step.py --report bench/results/tiny_step.json    # only re-render the Markdown of a JSON
 
 On a tiny model the step is almost all framework: that is how a fast GPU step looks to the CPU, and where a
@@ -15,21 +15,28 @@ random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
 each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
 
-Every fit runs in its own pair of processes started by ``torchrun`` (``--standalone``, 2 ranks, one thread each), so
-each strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's Flight
-Recorder on for it first; a shared process would give that to every later fit, or take it from ``safe``). A round
-runs each of the 6 (variant, mode) fits once, in a new seeded order every round; ``--rounds`` rounds (default 10).
-Nothing of the launch is timed: per rank, a callback (the raw loop: the loop itself) notes the time at the start of
-every training step (after the batch is fetched); a step's time is the interval to the next step's start, so it
-holds the data fetch, forward, backward with the gradient all-reduce, optimizer step and every hook. The first
-``warmup`` steps are untimed; per fit the figures are over the next ``timed`` intervals: the mean (total / steps),
-the median step, the training thread's CPU time per step (``time.thread_time``) and the whole process's
-(``time.process_time``: also gloo's and the strategy's background threads).
+How it is run: every fit has its own pair of processes, started by ``torchrun --standalone`` (2 ranks, one thread
+each), so each strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's
+Flight Recorder on for it; in a shared process every later fit would inherit that, or ``safe`` would lose it). A
+*round* starts, per logging mode (modes in alternating order), the three variants' jobs at once; once every rank is
+at its first step, a baton (keys in a ``TCPStore`` this script hosts) lets one job at a time train a *chunk* of
+steps while the other two wait at a step boundary, in a new seeded order at every pass: an untimed warm-up chunk,
+then ``chunks`` timed chunks of ``chunk`` steps each. So the three fits of a round are measured in alternating
+slices a fraction of a second long, and see the same machine load, which on a shared machine changes from second
+to second; the process launches, imports and set-ups are never inside a measurement. ``--rounds`` rounds (default
+10), each with fresh processes.
 
-Report: per (mode, variant) the median over rounds [min, max] of rank 0's figures (rank 1's mean too); per mode the
+What is measured, per rank: at the start of every training step (after its batch is fetched; a callback's
+``on_train_batch_start``, or the top of the raw loop) the wall clock, the training thread's CPU time
+(``time.thread_time``) and the process's (``time.process_time``: gloo's and the strategy's threads too). A step's
+time is the interval to the start of the next step: data fetch, forward, backward with the gradient all-reduce,
+optimizer step, every hook. The first step of each chunk (the two ranks resuming together, caches refilling) is not
+timed. Per fit: the mean over its timed steps (total / steps), the median step, CPU and process CPU per step.
+
+Report: per (mode, variant) the median over rounds [min, max] of rank 0's figures (and rank 1's mean); per mode the
 ratios safe/stock, stock/raw and safe/raw as the ratio of the medians and the per-round (paired) ratios' median
-[min, max]; and the target safe/stock <= 1.02 per mode, judged on the wall-clock mean step and separately on CPU.
-The exit code is 0 whatever the result (this is a measurement, not a gate).
+[min, max]; and the target safe/stock <= 1.02 per mode, judged on the mean step's ratio of medians and separately
+on CPU. The exit code is 0 whatever the result (a measurement, not a gate).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -55,96 +63,196 @@ RESULTS = BENCH / "results"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from suite import job_processes, metadata, tail  # noqa: E402  (bench/suite.py: same process handling)
+from suite import job_processes, metadata, tail  # noqa: E402  (bench/suite.py: the same process handling)
 
 VARIANTS = ("raw", "stock", "safe")
 MODES = ("nolog", "sync_dist")
 LABELS = {"raw": "raw PyTorch DDP loop", "stock": "Lightning DDPStrategy()", "safe": "SafeDDPStrategy()"}
-MODE_LABELS = {"nolog": "no logging", "sync_dist": '`self.log("loss", loss, sync_dist=True)` every step'}
 RATIOS = (("safe", "stock"), ("stock", "raw"), ("safe", "raw"))
 TARGET = ("safe", "stock", 1.02)  # issue 30, point 3: safe / stock at most 1.02 in both modes
 WORLD_SIZE = 2
 SHAPE = (32, 64, 10)  # inputs, hidden units, classes
+FIGURES = ("step_mean_s", "step_median_s", "cpu_step_s", "process_cpu_step_s")
 
 
 # ---------------------------------------------------------------------------------------------------- plan
 def config_for(quick: bool, rounds: int | None) -> dict[str, Any]:
     if quick:
-        return {"rounds": rounds or 2, "warmup": 20, "timed": 100, "batch_size": 32, "seed": 1234}
-    return {"rounds": rounds or 10, "warmup": 30, "timed": 270, "batch_size": 32, "seed": 1234}
+        return {"rounds": rounds or 2, "warmup": 20, "chunks": 9, "chunk": 10, "batch_size": 32, "seed": 1234}
+    return {"rounds": rounds or 10, "warmup": 30, "chunks": 27, "chunk": 10, "batch_size": 32, "seed": 1234}
 
 
-def plan(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every round runs every (variant, mode) fit once, in a new seeded order."""
-    fits = []
-    cells = [(v, m) for m in MODES for v in VARIANTS]
+def total_steps(config: dict[str, Any]) -> int:
+    """Warm-up, the timed chunks, and one more step whose start closes the last timed step."""
+    return int(config["warmup"] + config["chunks"] * config["chunk"] + 1)
+
+
+def chunk_starts(config: dict[str, Any]) -> list[int]:
+    """The step index at which each chunk starts: 0 (warm-up), the timed chunks, and the closing step."""
+    return [0] + [config["warmup"] + c * config["chunk"] for c in range(config["chunks"] + 1)]
+
+
+def is_timed(step: int, config: dict[str, Any]) -> bool:
+    """Steps of the timed chunks except the first of each (its ranks resume from the baton)."""
+    offset = step - config["warmup"]
+    return 0 <= offset < config["chunks"] * config["chunk"] and offset % config["chunk"] != 0
+
+
+def groups(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per round, one group per logging mode (modes alternate); each group's pass orders, seeded."""
+    out = []
     for r in range(config["rounds"]):
-        order = list(cells)
-        random.Random(config["seed"] * 1000 + r).shuffle(order)
-        fits += [{"round": r, "position": i, "variant": v, "mode": m} for i, (v, m) in enumerate(order)]
-    return fits
+        for mode in MODES if r % 2 == 0 else tuple(reversed(MODES)):
+            rng = random.Random(f"{config['seed']}/{r}/{mode}")
+            orders = [rng.sample(VARIANTS, len(VARIANTS)) for _ in range(config["chunks"] + 2)]
+            out.append({"round": r, "mode": mode, "orders": orders})
+    return out
 
 
-# ---------------------------------------------------------------------------------------------------- one fit
-def run_fit(fit: dict[str, Any], config: dict[str, Any], tmp: Path, index: int, timeout: float) -> dict[str, Any]:
-    """One fit in a fresh ``torchrun`` job of 2 ranks; returns ``fit`` with both ranks' figures."""
-    out, log = tmp / f"fit{index}", tmp / f"fit{index}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}"]
-    cmd += [str(Path(__file__).resolve()), "--worker", "--variant", fit["variant"], "--mode", fit["mode"]]
-    cmd += ["--warmup", str(config["warmup"]), "--timed", str(config["timed"])]
-    cmd += ["--batch-size", str(config["batch_size"]), "--seed", str(config["seed"]), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONWARNINGS"] = "ignore"
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)  # never inherit a rank from an outer launcher
-    load = os.getloadavg()[0]
-    start = time.monotonic()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+# ---------------------------------------------------------------------------------------------------- the baton
+def key(prefix: str, *parts: object) -> str:
+    return "/".join([prefix, *map(str, parts)])
+
+
+class Runner:
+    """Hosts the baton's store; starts a group's jobs and hands the chunks out."""
+
+    def __init__(self, config: dict[str, Any], tmp: Path, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.config, self.tmp, self.timeout = config, tmp, timeout
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+        self.address = f"127.0.0.1:{self.store.port}"
+
+    def launch(self, prefix: str, variant: str, mode: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        config = self.config
+        out, log = self.tmp / f"{prefix.replace('/', '-')}", self.tmp / f"{prefix.replace('/', '-')}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}"]
+        cmd += [str(Path(__file__).resolve()), "--worker", "--variant", variant, "--mode", mode]
+        cmd += ["--baton", self.address, "--prefix", prefix, "--out", str(out)]
+        cmd += ["--worker-config", json.dumps(config)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env["PYTHONWARNINGS"] = "ignore"
+        for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+            env.pop(name, None)  # never inherit a rank from an outer launcher
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return proc, out, log
+
+    def wait_keys(self, keys: list[str], jobs: dict[str, Any], deadline: float) -> None:
+        """Until every key is set; fails when a job exited or the deadline passed."""
+        while not self.store.check(keys):
+            for variant, (proc, _, log) in jobs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{variant} exited with code {proc.returncode}; log: {log}\n{tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {keys}")
+            time.sleep(0.2)
+
+    def wait_ranks(self, prefix: str, what: str, jobs: dict[str, Any]) -> None:
+        """Until both ranks of a job set ``what`` (the store wakes this up at once; a chunk takes milliseconds)."""
+        keys = [key(prefix, what, r) for r in range(WORLD_SIZE)]
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # torchrun stops its workers on SIGTERM
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-            raise RuntimeError(f"fit {index} timed out after {timeout:.0f} s; log: {log}\n{tail(log)}") from None
+            self.store.wait(keys, timedelta(seconds=10))
+        except RuntimeError:  # slow, or a job failed: poll, and name the job that exited
+            self.wait_keys(keys, jobs, time.monotonic() + self.timeout)
+
+    def run_group(self, group: dict[str, Any], log: Any) -> list[dict[str, Any]]:
+        """Start the group's three jobs, hand out the chunks, and return each fit with both ranks' figures."""
+        r, mode = group["round"], group["mode"]
+        prefixes = {v: f"r{r}/{mode}/{v}" for v in VARIANTS}
+        started = time.monotonic()
+        jobs: dict[str, Any] = {}
+        try:
+            for v in VARIANTS:
+                jobs[v] = self.launch(prefixes[v], v, mode)
+            ready = [key(p, "ready", rank) for p in prefixes.values() for rank in range(WORLD_SIZE)]
+            self.wait_keys(ready, jobs, started + self.timeout)  # every rank at its first step: start-up is over
+            ready_seconds = time.monotonic() - started
+            log(f"round {r} {mode}: every rank at its first step after {ready_seconds:.1f} s")
+            loads = [os.getloadavg()[0]]
+            timed_start = time.monotonic()
+            for c, order in enumerate(group["orders"]):  # warm-up, timed chunks, the closing step (then the fit ends)
+                for v in order:
+                    self.store.set(key(prefixes[v], "go", c), "1")
+                    last = c == len(group["orders"]) - 1
+                    self.wait_ranks(prefixes[v], "finished" if last else f"done/{c}", jobs)
+            chunks_seconds = time.monotonic() - timed_start
+            loads.append(os.getloadavg()[0])
+            for v, (proc, _, log_path) in jobs.items():
+                try:
+                    proc.wait(timeout=self.timeout)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{v} did not exit; log: {log_path}\n{tail(log_path)}") from None
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{v} failed with code {proc.returncode}; log: {log_path}\n{tail(log_path)}")
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            for pid in job_processes(out):  # torchrun's workers, by this fit's unique --out path
+            for proc, out, _ in jobs.values():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fit {index} failed with exit code {proc.returncode}; log: {log}\n{tail(log)}")
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    return {**fit, "seconds": time.monotonic() - start, "loadavg_at_launch": load, "ranks": ranks}
+                    os.killpg(proc.pid, signal.SIGKILL)
+                for pid in job_processes(out):  # torchrun's workers, by the job's unique --out path
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        fits = []
+        for v in VARIANTS:
+            ranks = [json.loads(Path(f"{jobs[v][1]}.rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+            fits.append(
+                {
+                    "round": r,
+                    "mode": mode,
+                    "variant": v,
+                    "orders": group["orders"],
+                    "ready_seconds": ready_seconds,
+                    "group_seconds": time.monotonic() - started,
+                    "chunks_seconds": chunks_seconds,
+                    "loadavg": loads,
+                    "ranks": ranks,
+                }
+            )
+        return fits
 
 
-def window_figures(marks: list[tuple[float, float, float]], warmup: int, timed: int) -> dict[str, Any]:
-    """Per-step figures from the (wall, thread CPU, process CPU) marks taken at the start of every step.
+class Baton:
+    """A rank's side of the baton: at a chunk's start, report the last chunk done (or ready), then wait for the go."""
 
-    Step ``k``'s time is ``marks[k + 1] - marks[k]``; the window is steps ``warmup .. warmup + timed - 1``.
-    """
-    if len(marks) < warmup + timed + 1:
-        raise RuntimeError(f"only {len(marks)} step starts noted, expected {warmup + timed + 1}")
-    first, last = marks[warmup], marks[warmup + timed]
-    walls = [marks[k + 1][0] - marks[k][0] for k in range(warmup, warmup + timed)]
+    def __init__(self, address: str, prefix: str, rank: int) -> None:
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), None, False, timedelta(minutes=15))
+        self.prefix, self.rank = prefix, rank
+
+    def turn(self, chunk: int) -> None:
+        self.store.set(key(self.prefix, "ready" if chunk == 0 else f"done/{chunk - 1}", self.rank), "1")
+        self.store.wait([key(self.prefix, "go", chunk)])
+
+    def finished(self) -> None:
+        self.store.set(key(self.prefix, "finished", self.rank), "1")
+
+
+# ---------------------------------------------------------------------------------------------------- one rank
+def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, Any]) -> dict[str, Any]:
+    """A fit's figures from its steps' (index, wall, thread CPU, process CPU) intervals: the timed steps only."""
+    timed = [s for s in steps if is_timed(s[0], config)]
+    expected = config["chunks"] * (config["chunk"] - 1)
+    if len(timed) != expected:
+        raise RuntimeError(f"{len(timed)} timed steps, expected {expected}")
+    walls = [s[1] for s in timed]
     return {
-        "step_mean_s": (last[0] - first[0]) / timed,
+        "timed_steps": len(timed),
+        "step_mean_s": sum(walls) / len(timed),
         "step_median_s": float(statistics.median(walls)),
         "step_max_s": max(walls),
-        "cpu_step_s": (last[1] - first[1]) / timed,
-        "process_cpu_step_s": (last[2] - first[2]) / timed,
-        "window_s": last[0] - first[0],
-        "steps_us": [round(w * 1e6, 1) for w in walls],
+        "cpu_step_s": sum(s[2] for s in timed) / len(timed),
+        "process_cpu_step_s": sum(s[3] for s in timed) / len(timed),
+        "steps_us": [round(w * 1e6) for w in walls],
     }
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank of one fit (under torchrun): train, and write this rank's figures to ``OUT.rank<R>.json``."""
+    """One rank of one fit (under torchrun): train in the baton's chunks; write this rank's ``OUT.rank<R>.json``."""
     import threading
 
     import lightning.pytorch as pl
@@ -160,15 +268,38 @@ def worker(args: argparse.Namespace) -> None:
     from ddp_strategy import SafeDDPStrategy
 
     imported = time.time()
+    config = json.loads(args.worker_config)
     variant, sync = args.variant, args.mode == "sync_dist"
-    steps = args.warmup + args.timed + 1  # one more step start closes the last timed step
-    marks: list[tuple[float, float, float]] = []
-    threads_in_window: list[int] = []
+    rank = int(os.environ["RANK"])
+    baton = Baton(args.baton, args.prefix, rank)
+    chunk_at = {step: c for c, step in enumerate(chunk_starts(config))}
+    steps = total_steps(config)
 
-    def mark() -> None:
-        marks.append((time.perf_counter(), time.thread_time(), time.process_time()))
-        if len(marks) == args.warmup + 1:
-            threads_in_window.append(threading.active_count())
+    class Clock:
+        """At every step's start: close the previous step's interval; at a chunk's start, take the baton first."""
+
+        def __init__(self) -> None:
+            self.index = 0
+            self.previous: tuple[float, float, float] | None = None
+            self.steps: list[tuple[int, float, float, float]] = []
+            self.threads_in_window: int | None = None
+            self.fit_to_first_step: float | None = None
+
+        def step_start(self) -> None:
+            now = (time.perf_counter(), time.thread_time(), time.process_time())
+            if self.previous is None:
+                self.fit_to_first_step = now[0] - fit_start
+            else:
+                self.steps.append((self.index - 1, *(a - b for a, b in zip(now, self.previous, strict=True))))
+            if self.index in chunk_at:
+                baton.turn(chunk_at[self.index])
+                now = (time.perf_counter(), time.thread_time(), time.process_time())
+            if self.index == config["warmup"]:
+                self.threads_in_window = threading.active_count()
+            self.previous = now
+            self.index += 1
+
+    clock = Clock()
 
     def network() -> nn.Sequential:
         return nn.Sequential(nn.Linear(SHAPE[0], SHAPE[1]), nn.ReLU(), nn.Linear(SHAPE[1], SHAPE[2]))
@@ -188,12 +319,12 @@ def worker(args: argparse.Namespace) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    class StepMarks(Callback):
+    class StepClock(Callback):
         def on_train_batch_start(self, *_: Any) -> None:
-            mark()
+            clock.step_start()
 
-    generator = torch.Generator().manual_seed(args.seed)
-    samples = steps * args.batch_size * WORLD_SIZE  # one epoch holds every step: no epoch end in the window
+    generator = torch.Generator().manual_seed(config["seed"])
+    samples = steps * config["batch_size"] * WORLD_SIZE  # one epoch holds every step: no epoch end in between
     dataset = TensorDataset(
         torch.randn(samples, SHAPE[0], generator=generator), torch.randint(0, SHAPE[2], (samples,), generator=generator)
     )
@@ -201,16 +332,16 @@ def worker(args: argparse.Namespace) -> None:
     handshake = None
     if variant == "raw":
         dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(args.seed)
+        world = dist.get_world_size()
+        torch.manual_seed(config["seed"])
         model = network()
         ddp = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=config["seed"])
+        loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
         model.train()
         for done, (x, y) in enumerate(loader, start=1):
-            mark()
+            clock.step_start()
             loss = F.cross_entropy(ddp(x), y)
             if sync:  # Lightning's _sync_ddp for a step-level sync_dist log: barrier, all-reduce (sum), mean
                 value = loss.detach().clone()
@@ -222,9 +353,8 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.step()
             if done >= steps:
                 break
-        threads_after = threading.active_count()
     else:
-        pl.seed_everything(args.seed, verbose=False)
+        pl.seed_everything(config["seed"], verbose=False)
         strategy: DDPStrategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -232,28 +362,26 @@ def worker(args: argparse.Namespace) -> None:
             strategy=strategy,
             max_steps=steps,
             max_epochs=1,
-            callbacks=[StepMarks()],
+            callbacks=[StepClock()],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            default_root_dir=tempfile.mkdtemp(prefix="tiny-step-"),
+            default_root_dir=f"{args.out}-root",  # in the runner's temporary directory
         )
-        trainer.fit(TinyModule(), DataLoader(dataset, batch_size=args.batch_size, shuffle=True))
+        trainer.fit(TinyModule(), DataLoader(dataset, batch_size=config["batch_size"], shuffle=True))
         handshake = getattr(trainer.strategy, "last_handshake_seconds", None)
-        threads_after = threading.active_count()
-        rank = trainer.global_rank
     payload = {
         "rank": rank,
         "variant": variant,
         "mode": args.mode,
         "threads_per_rank": torch.get_num_threads(),
         "import_seconds": imported - IMPORT_START,
-        "fit_to_first_step_s": marks[0][0] - fit_start if marks else None,
+        "fit_to_first_step_s": clock.fit_to_first_step,
         "handshake_s": handshake,
-        "threads_in_window": threads_in_window[0] if threads_in_window else None,
-        "threads_after_fit": threads_after,
-        **window_figures(marks, args.warmup, args.timed),
+        "threads_in_window": clock.threads_in_window,
+        "threads_after_fit": threading.active_count(),
+        **fit_figures(clock.steps, config),
     }
     out = Path(f"{args.out}.rank{rank}.json")
     out.with_suffix(".tmp").write_text(json.dumps(payload))
@@ -261,13 +389,10 @@ def worker(args: argparse.Namespace) -> None:
     if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the process
         dist.barrier()
         dist.destroy_process_group()
-
+    baton.finished()
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
-FIGURES = ("step_mean_s", "step_median_s", "cpu_step_s", "process_cpu_step_s")
-
-
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": float(statistics.median(values)), "min": min(values), "max": max(values)}
 
@@ -290,17 +415,17 @@ def summary(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[s
             if not records:
                 continue
             row: dict[str, Any] = {"mode": mode, "variant": variant, "rounds": len(records)}
-            for key in (*FIGURES, "rank1_step_mean_s"):
-                row[key] = spread([r[key] for r in records])
+            for name in (*FIGURES, "rank1_step_mean_s"):
+                row[name] = spread([r[name] for r in records])
             rows.append(row)
     return rows
 
 
-def ratio(num: list[dict[str, Any]], den: list[dict[str, Any]], key: str) -> dict[str, Any]:
+def ratio(num: list[dict[str, Any]], den: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """Ratio of the medians over rounds, and the per-round (paired) ratios' median [min, max]."""
-    of_medians = statistics.median(r[key] for r in num) / statistics.median(r[key] for r in den)
-    by_round = {r["round"]: r[key] for r in den}
-    paired = [r[key] / by_round[r["round"]] for r in num if r["round"] in by_round]
+    of_medians = statistics.median(r[name] for r in num) / statistics.median(r[name] for r in den)
+    by_round = {r["round"]: r[name] for r in den}
+    paired = [r[name] / by_round[r["round"]] for r in num if r["round"] in by_round]
     return {"of_medians": of_medians, "paired": spread(paired) if paired else None}
 
 
@@ -312,14 +437,14 @@ def ratios(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[st
             if not num or not den:
                 continue
             row: dict[str, Any] = {"mode": mode, "ratio": f"{a} / {b}"}
-            for key in (*FIGURES, "rank1_step_mean_s"):
-                row[key] = ratio(num, den, key)
+            for name in (*FIGURES, "rank1_step_mean_s"):
+                row[name] = ratio(num, den, name)
             out.append(row)
     return out
 
 
 def targets(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``safe / stock <= 1.02`` per mode, on the wall-clock mean step (the target) and on thread CPU."""
+    """``safe / stock <= 1.02`` per mode: on the mean step's ratio of medians (the target), and on thread CPU."""
     a, b, limit = TARGET
     out = []
     for row in ratio_rows:
@@ -332,7 +457,7 @@ def targets(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "target": f"{a} / {b} <= {limit:.2f}",
                 "limit": limit,
                 "wall": wall["of_medians"],
-                "wall_paired_median": wall["paired"]["median"] if wall["paired"] else None,
+                "wall_paired": wall["paired"],
                 "median_step": row["step_median_s"]["of_medians"],
                 "cpu": cpu["of_medians"],
                 "process_cpu": row["process_cpu_step_s"]["of_medians"],
@@ -358,29 +483,31 @@ def us_spread(s: dict[str, float]) -> str:
     return f"{us(s['median'])} [{us(s['min'])}, {us(s['max'])}]"
 
 
-def ratio_cell(r: dict[str, Any]) -> str:
-    p = r["paired"]
-    paired = f"{p['median']:.3f} [{p['min']:.3f}, {p['max']:.3f}]" if p else "-"
-    return f"{r['of_medians']:.3f} | {paired}"
+def paired_text(p: dict[str, float] | None) -> str:
+    return f"{p['median']:.3f} [{p['min']:.3f}, {p['max']:.3f}]" if p else "-"
 
 
 def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
     meta, config = result["meta"], result["config"]
-    seconds = [f["seconds"] for f in result["fits"]]
+    groups_ = {(f["round"], f["mode"]): f for f in result["fits"]}.values()
+    ready = statistics.median(g["ready_seconds"] for g in groups_)
+    chunks = statistics.median(g["chunks_seconds"] for g in groups_)
     lines = [
         f"Measured {meta['date']} ({result['mode']} mode, {meta['wall_seconds']:.0f} s) on {meta['machine']}; "
         f"Python {meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy "
         f"{meta['ddp_strategy']} ({meta['git']}); load average {meta['loadavg_start'][0]:.2f} at the start, "
         f"{meta['loadavg_end'][0]:.2f} at the end.",
         "",
-        f"{config['rounds']} rounds, each running the 6 fits in a new seeded order; every fit its own `torchrun` "
-        f"job (2 ranks, gloo, CPU, one thread per rank; {statistics.median(seconds):.1f} s per job with start-up, "
-        f"untimed); per fit {config['warmup']} untimed warm-up steps, then {config['timed']} timed steps, batch "
-        f"{config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}.",
+        f"{config['rounds']} rounds; per round and logging mode the three variants' `torchrun` jobs (2 ranks each, "
+        f"gloo, CPU, one thread per rank) start together (median {ready:.1f} s until every rank is at its first "
+        f"step, untimed), then take turns: a warm-up chunk of {config['warmup']} steps, {config['chunks']} timed "
+        f"chunks of {config['chunk']} steps (the first step of each untimed: {config['chunks'] * (config['chunk'] - 1)}"
+        f" timed steps per fit) and the closing step, in a new order at every pass (median {chunks:.1f} s per "
+        f"group). Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}.",
         "",
-        "Per fit, rank 0: *mean* = timed window / steps, *median* = median step (start of a step to the start of "
-        "the next), *CPU* = training thread CPU time per step, *process CPU* = all threads of the process per step; "
-        "*rank 1 mean* = rank 1's mean. Cells: median over rounds [min, max], in microseconds.",
+        "Per fit, rank 0: *mean* = time of the timed steps / their number, *median* = median step (a step's start "
+        "to the next step's start), *CPU* = training thread CPU time per step, *process CPU* = all threads of the "
+        "process per step; *rank 1 mean* = rank 1's mean. Cells: median over rounds [min, max], in microseconds.",
         "",
         "| mode | variant | mean (us) | median (us) | CPU (us) | process CPU (us) | rank 1 mean (us) |",
         "|---|---|---|---|---|---|---|",
@@ -393,33 +520,32 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Ratios: *of medians* = median of one variant / median of the other over the rounds; *paired* = median "
-        "[min, max] of the per-round ratios (the two fits of a round ran a few seconds apart).",
+        "Ratios: *of medians* = median over rounds of one variant / the other's; *paired* = median [min, max] of "
+        "the per-round ratios (fits of the same round, measured in alternating chunks).",
         "",
         "| mode | ratio | mean: of medians | mean: paired | median step: of medians | median step: paired "
         "| CPU: of medians | CPU: paired | process CPU | rank 1 mean |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in analysis["ratios"]:
+        cols = [f"{r[n]['of_medians']:.3f} | {paired_text(r[n]['paired'])}" for n in FIGURES[:3]]
         lines.append(
-            f"| {r['mode']} | {r['ratio']} | {ratio_cell(r['step_mean_s'])} | {ratio_cell(r['step_median_s'])} | "
-            f"{ratio_cell(r['cpu_step_s'])} | {r['process_cpu_step_s']['of_medians']:.3f} | "
+            f"| {r['mode']} | {r['ratio']} | {' | '.join(cols)} | {r['process_cpu_step_s']['of_medians']:.3f} | "
             f"{r['rank1_step_mean_s']['of_medians']:.3f} |"
         )
     lines += [
         "",
-        "Target (issue 30, point 3), judged on the wall-clock mean step (ratio of medians), and again on the "
+        "Target (issue 30, point 3), judged on the mean step's ratio of medians; *by CPU*: the same on the "
         "training thread's CPU time:",
         "",
-        "| mode | target | wall (mean) | paired | median step | CPU | process CPU | result | result by CPU |",
+        "| mode | target | mean | mean: paired | median step | CPU | process CPU | result | by CPU |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in analysis["targets"]:
-        paired = f"{t['wall_paired_median']:.3f}" if t["wall_paired_median"] is not None else "-"
         lines.append(
-            f"| {t['mode']} | {t['target']} | {t['wall']:.3f} | {paired} | {t['median_step']:.3f} | {t['cpu']:.3f} | "
-            f"{t['process_cpu']:.3f} | {'met' if t['met'] else '**missed**'} | "
-            f"{'met' if t['met_by_cpu'] else '**missed**'} |"
+            f"| {t['mode']} | {t['target']} | {t['wall']:.3f} | {paired_text(t['wall_paired'])} | "
+            f"{t['median_step']:.3f} | {t['cpu']:.3f} | {t['process_cpu']:.3f} | "
+            f"{'met' if t['met'] else '**missed**'} | {'met' if t['met_by_cpu'] else '**missed**'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -427,19 +553,20 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 20 + 100 steps")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of shorter fits")
     parser.add_argument("--rounds", type=int, help="rounds (default 10, quick 2)")
-    parser.add_argument("--out", type=Path, help="results path without suffix (default bench/results/tiny_step[-quick])")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per fit before it is killed")
+    parser.add_argument("--out", type=Path, help="results path, no suffix (default bench/results/tiny_step[-quick])")
+    parser.add_argument("--chunks", type=int, help="timed chunks per fit (default 27, quick 9)")
+    parser.add_argument("--chunk", type=int, help="steps per chunk, the first untimed (default 10)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only re-render the Markdown of this results JSON")
-    worker_args = parser.add_argument_group("worker (one rank of one fit, under torchrun)")
+    worker_args = parser.add_argument_group("worker (one rank of one fit, started by torchrun)")
     worker_args.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     worker_args.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     worker_args.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    worker_args.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
-    worker_args.add_argument("--timed", type=int, help=argparse.SUPPRESS)
-    worker_args.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
-    worker_args.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    worker_args.add_argument("--baton", help=argparse.SUPPRESS)
+    worker_args.add_argument("--prefix", help=argparse.SUPPRESS)
+    worker_args.add_argument("--worker-config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -449,26 +576,27 @@ def main(argv: list[str] | None = None) -> int:
         args.report.with_suffix(".md").write_text(markdown(result, analyse(result)))
         return 0
     config = config_for(args.quick, args.rounds)
+    config.update({name: getattr(args, name) for name in ("chunks", "chunk") if getattr(args, name) is not None})
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")
     started = time.monotonic()
+
+    def log(text: str) -> None:
+        print(f"[{time.monotonic() - started:5.0f} s] {text}", flush=True)
+
     meta = metadata()
-    fits = plan(config)
-    done = []
+    fits = []
     with tempfile.TemporaryDirectory(prefix="bench-tiny-step-") as tmp:
-        for index, fit in enumerate(fits):
-            print(
-                f"[{time.monotonic() - started:5.0f} s] fit {index + 1}/{len(fits)}: round {fit['round']} "
-                f"{fit['variant']} {fit['mode']}",
-                flush=True,
-            )
-            done.append(run_fit(fit, config, Path(tmp), index, args.timeout))
+        runner = Runner(config, Path(tmp), args.timeout)
+        for group in groups(config):
+            log(f"round {group['round'] + 1}/{config['rounds']}, {group['mode']}: starting raw, stock, safe")
+            fits += runner.run_group(group, log)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["wall_seconds"] = time.monotonic() - started
     result: dict[str, Any] = {
         "mode": "quick" if args.quick else "full",
         "meta": meta,
         "config": {**config, "world_size": WORLD_SIZE, "model": list(SHAPE), "launcher": "torchrun --standalone"},
-        "fits": done,
+        "fits": fits,
     }
     analysis = analyse(result)
     result["analysis"] = analysis

@@ -159,8 +159,8 @@ class Runner:
         except RuntimeError:  # slow, or a job failed: poll, and name the job that exited
             self.wait_keys(keys, jobs, time.monotonic() + self.timeout)
 
-    def run_group(self, group: dict[str, Any], log: Any) -> list[dict[str, Any]]:
-        """Start the group's three jobs, hand out the chunks, and return each fit with both ranks' figures."""
+    def run_group(self, group: dict[str, Any], log: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Start the group's three jobs, hand out the chunks; return the group's record and each fit's ranks."""
         r, mode = group["round"], group["mode"]
         prefixes = {v: f"r{r}/{mode}/{v}" for v in VARIANTS}
         started = time.monotonic()
@@ -195,23 +195,18 @@ class Runner:
                 for pid in job_processes(out):  # torchrun's workers, by the job's unique --out path
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+        record = {
+            **group,
+            "ready_seconds": ready_seconds,
+            "chunks_seconds": chunks_seconds,
+            "group_seconds": time.monotonic() - started,
+            "loadavg": loads,
+        }
         fits = []
         for v in VARIANTS:
             ranks = [json.loads(Path(f"{jobs[v][1]}.rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
-            fits.append(
-                {
-                    "round": r,
-                    "mode": mode,
-                    "variant": v,
-                    "orders": group["orders"],
-                    "ready_seconds": ready_seconds,
-                    "group_seconds": time.monotonic() - started,
-                    "chunks_seconds": chunks_seconds,
-                    "loadavg": loads,
-                    "ranks": ranks,
-                }
-            )
-        return fits
+            fits.append({"round": r, "mode": mode, "variant": v, "ranks": ranks})
+        return record, fits
 
 
 class Baton:
@@ -240,6 +235,7 @@ def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, 
     if len(timed) != expected:
         raise RuntimeError(f"{len(timed)} timed steps, expected {expected}")
     walls = [s[1] for s in timed]
+    per_chunk = config["chunk"] - 1
     return {
         "timed_steps": len(timed),
         "step_mean_s": sum(walls) / len(timed),
@@ -247,7 +243,9 @@ def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, 
         "step_max_s": max(walls),
         "cpu_step_s": sum(s[2] for s in timed) / len(timed),
         "process_cpu_step_s": sum(s[3] for s in timed) / len(timed),
-        "steps_us": [round(w * 1e6) for w in walls],
+        "chunk_means_us": [
+            round(statistics.fmean(walls[i : i + per_chunk]) * 1e6) for i in range(0, len(walls), per_chunk)
+        ],
     }
 
 
@@ -489,14 +487,15 @@ def paired_text(p: dict[str, float] | None) -> str:
 
 def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
     meta, config = result["meta"], result["config"]
-    groups_ = {(f["round"], f["mode"]): f for f in result["fits"]}.values()
-    ready = statistics.median(g["ready_seconds"] for g in groups_)
-    chunks = statistics.median(g["chunks_seconds"] for g in groups_)
+    ready = statistics.median(g["ready_seconds"] for g in result["groups"])
+    chunks = statistics.median(g["chunks_seconds"] for g in result["groups"])
+    loads = [load for g in result["groups"] for load in g["loadavg"]]
     lines = [
         f"Measured {meta['date']} ({result['mode']} mode, {meta['wall_seconds']:.0f} s) on {meta['machine']}; "
         f"Python {meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy "
-        f"{meta['ddp_strategy']} ({meta['git']}); load average {meta['loadavg_start'][0]:.2f} at the start, "
-        f"{meta['loadavg_end'][0]:.2f} at the end.",
+        f"{meta['ddp_strategy']} ({meta['git']}); 1-minute load average {meta['loadavg_start'][0]:.2f} at the start, "
+        f"{meta['loadavg_end'][0]:.2f} at the end, {min(loads):.2f} to {max(loads):.2f} (median "
+        f"{statistics.median(loads):.2f}) at the start and end of the groups' timed chunks.",
         "",
         f"{config['rounds']} rounds; per round and logging mode the three variants' `torchrun` jobs (2 ranks each, "
         f"gloo, CPU, one thread per rank) start together (median {ready:.1f} s until every rank is at its first "
@@ -584,18 +583,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:5.0f} s] {text}", flush=True)
 
     meta = metadata()
-    fits = []
+    records, fits = [], []
     with tempfile.TemporaryDirectory(prefix="bench-tiny-step-") as tmp:
         runner = Runner(config, Path(tmp), args.timeout)
         for group in groups(config):
             log(f"round {group['round'] + 1}/{config['rounds']}, {group['mode']}: starting raw, stock, safe")
-            fits += runner.run_group(group, log)
+            record, group_fits = runner.run_group(group, log)
+            records.append(record)
+            fits += group_fits
     meta["loadavg_end"] = list(os.getloadavg())
     meta["wall_seconds"] = time.monotonic() - started
     result: dict[str, Any] = {
         "mode": "quick" if args.quick else "full",
         "meta": meta,
         "config": {**config, "world_size": WORLD_SIZE, "model": list(SHAPE), "launcher": "torchrun --standalone"},
+        "groups": records,
         "fits": fits,
     }
     analysis = analyse(result)

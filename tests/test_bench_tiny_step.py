@@ -83,10 +83,8 @@ def fits(safe: tuple[float, float], rounds: int = 10) -> list[dict[str, Any]]:
                     "cpu_step_s": cpu,
                     "process_cpu_step_s": 2 * cpu,
                 }
-                out.append(
-                    {"round": r, "mode": mode, "variant": variant, "ready_seconds": 10.0, "chunks_seconds": 3.0,
-                     "ranks": [rank, {**rank, "step_mean_s": rank["step_mean_s"] * 1.001}]}
-                )  # fmt: skip
+                rank1 = {**rank, "step_mean_s": rank["step_mean_s"] * 1.001}
+                out.append({"round": r, "mode": mode, "variant": variant, "ranks": [rank, rank1]})
     return out
 
 
@@ -135,9 +133,11 @@ def test_report_renders_the_tables():
             "loadavg_end": [2.0, 2.0, 2.0],
         },
         "config": {"rounds": 10, "warmup": 30, "chunks": 27, "chunk": 10, "batch_size": 32},
+        "groups": [{"ready_seconds": 10.0, "chunks_seconds": 3.0, "loadavg": [1.5, 2.5]}],
         "fits": fits(safe=(1.05, 1.0)),
     }
     text = tiny.markdown(result, tiny.analyse(result))
     assert "| nolog | Lightning DDPStrategy() | 5500 [5000, 6000] |" in text
     assert "| sync_dist | safe / stock <= 1.02 | 1.050 | 1.050 [1.050, 1.050] |" in text
     assert "**missed** | met |" in text
+    assert "1.50 to 2.50" in text

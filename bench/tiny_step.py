@@ -16,7 +16,8 @@ each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
 
 How it is run: every fit has its own pair of processes, started by ``torchrun --standalone`` (2 ranks, one thread
-each), so each strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's
+each, rank r pinned to core r as in ``bench/suite.py``; ``--no-pin`` leaves placement to the scheduler), so each
+strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's
 Flight Recorder on for it; in a shared process every later fit would inherit that, or ``safe`` would lose it). A
 *round* starts, per logging mode (modes in alternating order), the three variants' jobs at once; once every rank is
 at its first step, a baton (keys in a ``TCPStore`` this script hosts) lets one job at a time train a *chunk* of
@@ -251,6 +252,12 @@ def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one fit (under torchrun): train in the baton's chunks; write this rank's ``OUT.rank<R>.json``."""
+    config = json.loads(args.worker_config)
+    if config.get("pin_cores", True) and hasattr(os, "sched_setaffinity"):
+        # One core per rank (as bench/suite.py does), before any thread starts (they inherit the mask): left to the
+        # scheduler of a loaded machine, both ranks of a job sometimes share a core and the whole fit runs slower.
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
     import threading
 
     import lightning.pytorch as pl
@@ -266,7 +273,6 @@ def worker(args: argparse.Namespace) -> None:
     from ddp_strategy import SafeDDPStrategy
 
     imported = time.time()
-    config = json.loads(args.worker_config)
     variant, sync = args.variant, args.mode == "sync_dist"
     rank = int(os.environ["RANK"])
     baton = Baton(args.baton, args.prefix, rank)
@@ -374,6 +380,7 @@ def worker(args: argparse.Namespace) -> None:
         "variant": variant,
         "mode": args.mode,
         "threads_per_rank": torch.get_num_threads(),
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "import_seconds": imported - IMPORT_START,
         "fit_to_first_step_s": clock.fit_to_first_step,
         "handshake_s": handshake,
@@ -490,6 +497,8 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
     ready = statistics.median(g["ready_seconds"] for g in result["groups"])
     chunks = statistics.median(g["chunks_seconds"] for g in result["groups"])
     loads = [load for g in result["groups"] for load in g["loadavg"]]
+    timed = config["chunks"] * (config["chunk"] - 1)
+    pinning = "rank r pinned to core r" if config.get("pin_cores", True) else "not pinned"
     lines = [
         f"Measured {meta['date']} ({result['mode']} mode, {meta['wall_seconds']:.0f} s) on {meta['machine']}; "
         f"Python {meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy "
@@ -498,11 +507,11 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         f"{statistics.median(loads):.2f}) at the start and end of the groups' timed chunks.",
         "",
         f"{config['rounds']} rounds; per round and logging mode the three variants' `torchrun` jobs (2 ranks each, "
-        f"gloo, CPU, one thread per rank) start together (median {ready:.1f} s until every rank is at its first "
-        f"step, untimed), then take turns: a warm-up chunk of {config['warmup']} steps, {config['chunks']} timed "
-        f"chunks of {config['chunk']} steps (the first step of each untimed: {config['chunks'] * (config['chunk'] - 1)}"
-        f" timed steps per fit) and the closing step, in a new order at every pass (median {chunks:.1f} s per "
-        f"group). Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}.",
+        f"gloo, CPU, one thread per rank, {pinning}) start together (median {ready:.1f} s until every rank is at "
+        f"its first step, untimed), then take turns: a warm-up chunk of {config['warmup']} steps, "
+        f"{config['chunks']} timed chunks of {config['chunk']} steps (the first step of each untimed: {timed} timed "
+        f"steps per fit) and the closing step, in a new order at every pass (median {chunks:.1f} s per group). "
+        f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}.",
         "",
         "Per fit, rank 0: *mean* = time of the timed steps / their number, *median* = median step (a step's start "
         "to the next step's start), *CPU* = training thread CPU time per step, *process CPU* = all threads of the "
@@ -557,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results path, no suffix (default bench/results/tiny_step[-quick])")
     parser.add_argument("--chunks", type=int, help="timed chunks per fit (default 27, quick 9)")
     parser.add_argument("--chunk", type=int, help="steps per chunk, the first untimed (default 10)")
+    parser.add_argument("--no-pin", action="store_true", help="leave the ranks' cores to the scheduler")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only re-render the Markdown of this results JSON")
     worker_args = parser.add_argument_group("worker (one rank of one fit, started by torchrun)")
@@ -576,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = config_for(args.quick, args.rounds)
     config.update({name: getattr(args, name) for name in ("chunks", "chunk") if getattr(args, name) is not None})
+    config["pin_cores"] = not args.no_pin
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")
     started = time.monotonic()
 

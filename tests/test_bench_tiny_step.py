@@ -100,6 +100,7 @@ def test_ratios_of_medians_and_paired_ratios():
     assert row["step_mean_s"]["paired"]["median"] == pytest.approx(1.05)
     assert row["step_mean_s"]["paired"]["min"] == pytest.approx(1.05)  # the round's load cancels out
     assert row["cpu_step_s"]["of_medians"] == pytest.approx(1.10)
+    assert row["cpu_step_s"]["paired_difference_s"]["median"] == pytest.approx(0.0001)  # 1.10 x 1 ms - 1 ms
     assert by(analysis, "ratios", "nolog", "stock / raw")["step_mean_s"]["of_medians"] == pytest.approx(2.5)
     summary = {(r["mode"], r["variant"]): r for r in analysis["rows"]}
     assert summary[("nolog", "stock")]["step_mean_s"] == pytest.approx({"median": 0.0055, "min": 0.005, "max": 0.006})
@@ -139,5 +140,5 @@ def test_report_renders_the_tables():
     text = tiny.markdown(result, tiny.analyse(result))
     assert "| nolog | Lightning DDPStrategy() | 5500 [5000, 6000] |" in text
     assert "| sync_dist | safe / stock <= 1.02 | 1.050 | 1.050 [1.050, 1.050] |" in text
-    assert "**missed** | met |" in text
+    assert "**missed** | met | 275 [250, 300] | 0 [0, 0] |" in text  # safe's wall added: 5% of 5.0-6.0 ms
     assert "1.50 to 2.50" in text

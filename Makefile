@@ -81,7 +81,7 @@ bench: $(STAMP)
 	$(PY) bench/strategy_cost.py
 	$(PY) bench/consistency_cost.py
 	$(PY) bench/desync_cost.py
-	$(PY) bench/control_plane_scale.py --label after
+	$(PY) bench/control_plane_scale.py --worlds 8,64,256,512 --label after
 	$(PY) bench/tiny_step.py
 
 bench-extra: $(STAMP)

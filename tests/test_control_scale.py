@@ -398,3 +398,44 @@ def test_get_if_set_reads_a_key_in_one_operation_without_waiting_or_creating_it(
     store.inner.set("pos/3", '{"kind": "training step"}')
     assert get_if_set(store, "pos/3") == b'{"kind": "training step"}'
     assert store.ops == 3
+
+
+
+def test_a_barrier_on_a_real_libuv_store_wakes_no_rank_before_its_outcome():
+    # torch's libuv TCPStore server wakes every waiter of a key on a compare_set of it, even one that sets nothing
+    # (torch 2.14.1). Read with `store.get_if_set`, a barrier's `done` ended the waits of the ranks that arrived
+    # first as soon as a later rank looked, and they read an empty outcome: "could not reach the rendezvous store"
+    # (seen with 64 simulated ranks in bench/control_plane_scale.py). The keys a rank waits for are read with
+    # check + get; ranks arriving 10 ms apart while the first ones already wait show it.
+    world_size = 16
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+    clients = [
+        dist.TCPStore("127.0.0.1", master.port, is_master=False, use_libuv=True, timeout=timedelta(seconds=30))
+        for _ in range(2 * world_size)
+    ]
+    spares = {r: [dist.PrefixStore("run/", clients[world_size + r])] for r in range(world_size)}
+    planes = [
+        ControlPlane(
+            rank=r, world_size=world_size, store=dist.PrefixStore("run/", clients[r]), group=None,
+            timeout=timedelta(seconds=30), heartbeat_interval=0, store_factory=lambda r=r: spares[r].pop(),
+        )
+        for r in range(world_size)
+    ]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def rank(plane: ControlPlane) -> None:
+        try:
+            time.sleep(1.0 if plane.rank == 0 else 0.01 * plane.rank)
+            plane.barrier("save")
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(p,)) for p in planes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a simulated rank hung"
+    for plane in planes:
+        plane.close()
+    assert errors == []

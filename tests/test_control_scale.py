@@ -400,7 +400,6 @@ def test_get_if_set_reads_a_key_in_one_operation_without_waiting_or_creating_it(
     assert store.ops == 3
 
 
-
 def test_a_barrier_on_a_real_libuv_store_wakes_no_rank_before_its_outcome():
     # torch's libuv TCPStore server wakes every waiter of a key on a compare_set of it, even one that sets nothing
     # (torch 2.14.1). Read with `store.get_if_set`, a barrier's `done` ended the waits of the ranks that arrived

@@ -54,7 +54,7 @@ def get_if_set(store: Store, key: str) -> bytes | None:
     value when it is set, and ``ABSENT`` without setting anything when it is not (torch's ``TCPStore``, libuv or
     not, ``HashStore`` and ``PrefixStore`` alike).
 
-    Never use it on a key that any client ``wait``\ s for (a barrier's ``done``, the preemption notice): torch's libuv
+    Never use it on a key that any client waits for (a barrier's ``done``, the preemption notice): torch's libuv
     ``TCPStore`` server wakes every waiter of a key on a ``compare_set`` of it even when it sets nothing (seen with
     torch 2.14.1), so the waiters would return before the key exists (``tests/test_control_scale.py``).
     """

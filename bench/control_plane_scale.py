@@ -48,7 +48,9 @@ issue and latencies include the simulation's own delay. Above the largest measur
 :func:`extrapolate`), times W, times the server CPU per operation measured at the largest W (and the same with
 keys touched). The preemption agreement is one event, not a lasting load: it is judged by its operations per rank
 for the whole event and, at the extrapolated W, by the store server's time for one event (ops per rank x W x CPU
-per op) against a tenth of the 15 s an event may take; the lasting states by their busy fraction.
+per op) against a tenth of the 15 s an event may take; the lasting states by their busy fraction. An event's
+operations are its window's less the steady state's rate over the same time (:func:`event_ops`): the heartbeats
+that run anyway.
 
 **Barrier probe** (``--barrier-processes P``, default 8): one process queues all W training threads, and the W
 waiter threads that the barrier's ``done`` wakes at once, behind one GIL, so its "last arrival -> last return"
@@ -1213,6 +1215,17 @@ def interval_at(world: int) -> float:
     return float(scaled(1.0, world)) if scaled is not None else 1.0
 
 
+def event_ops(row: dict[str, Any], rows: list[dict[str, Any]]) -> float:
+    """Store operations per rank of an event row (its window is the event), less the ongoing background.
+
+    The window (signal -> every rank stopped) also holds the heartbeats and beat hooks that run anyway; their rate
+    is the steady state's at the same W (when measured), taken off: ``(rate - steady rate) x window``.
+    """
+    steady = [r for r in rows if r["state"] == "steady" and r["world"] == row["world"] and "ops" in r]
+    background = steady[0]["ops_per_rank_s"] if steady else 0.0
+    return max(0.0, float(row["ops_per_rank_s"]) - background) * float(row["latency_s"])
+
+
 def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[str, Any]]:
     """Rows for larger W: per-rank rates fitted as ``a + b*W``, server busy = total rate x CPU per op at the top W.
 
@@ -1259,7 +1272,7 @@ def extrapolate(rows: list[dict[str, Any]], worlds: Sequence[int]) -> list[dict[
             per_event: dict[str, Any] = {}
             if state in EVENT_WINDOW_STATES and all(r.get("latency_s") for r in basis):
                 # an event's operations per rank do not depend on how long it took: the most measured, times W
-                ops_per_event = max(demand(r, "ops_per_rank_s") * r["latency_s"] for r in basis)
+                ops_per_event = max(event_ops(r, rows) for r in basis)
                 per_event = {
                     "ops_per_rank_event": ops_per_event,
                     "server_s_per_event": ops_per_event * world * per_op,
@@ -1554,10 +1567,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for state in STATES:
         mine = sorted((r for r in measured if r["state"] == state and "ops" in r), key=lambda r: r["world"])
         # the preemption state's rates are taken over the agreement alone (signal -> every rank stopped): it is
-        # judged by its operations per rank for the whole event (rate x window); once it is fast, a rate says little
+        # judged by its operations per rank for the whole event (see event_ops); once it is fast, a rate says little
         per_event = state in EVENT_WINDOW_STATES and all(r.get("latency_s") for r in mine)
         if len(mine) >= 2:
-            rates = [r["ops_per_rank_s"] * (r["latency_s"] if per_event else 1.0) for r in mine]
+            rates = [event_ops(r, rows) if per_event else r["ops_per_rank_s"] for r in mine]
             ratio = max(rates) / max(min(rates), 1e-9)
             value = f"{ratio:.2f}x (W={mine[0]['world']}..{mine[-1]['world']}: " + ", ".join(f"{v:.1f}" for v in rates)
             what = "ops per rank per event" if per_event else "ops/s per rank"

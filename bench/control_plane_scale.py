@@ -484,6 +484,13 @@ def install_fakes() -> None:
     desync._training_thread_in_torch = fake_training_thread_in_torch
     desync.os = _PROCESS
     desync.sys = _SYS
+    try:  # the periodic audit of the recorder, a module of its own since issue 30
+        audit = importlib.import_module("ddp_strategy.desync_audit")
+    except ModuleNotFoundError:
+        return
+    for name, fake in (("collective_status", fake_collective_status), ("collective_trace", fake_collective_trace)):
+        if hasattr(audit, name):
+            setattr(audit, name, fake)
 
 
 class LogCount(logging.Handler):

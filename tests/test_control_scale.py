@@ -102,12 +102,17 @@ def late_rank_barrier(world_size: int, late: float, timeout: float = 30.0) -> tu
     planes, stores, shared = counted_planes(world_size, timeout)
     for store in stores:
         store.ops = store.keys = 0  # count the barrier, not the construction
+    assert barrier_on_threads(planes, lambda rank: late if rank == 0 else 0.0) == []
+    return stores, shared
+
+
+def barrier_on_threads(planes: list[ControlPlane], delay: Any) -> list[BaseException]:
+    """Each plane enters barrier 'save' on a thread of its own, ``delay(rank)`` s late; closes them; the errors."""
     errors: list[BaseException] = []
 
     def rank(plane: ControlPlane) -> None:
         try:
-            if plane.rank == 0:
-                time.sleep(late)
+            time.sleep(delay(plane.rank))
             plane.barrier("save")
         except BaseException as err:
             errors.append(err)
@@ -118,10 +123,9 @@ def late_rank_barrier(world_size: int, late: float, timeout: float = 30.0) -> tu
     for t in threads:
         t.join(timeout=60)
         assert not t.is_alive(), "a simulated rank hung"
-    assert errors == []
     for plane in planes:
         plane.close()
-    return stores, shared
+    return errors
 
 
 #: store operations of one scan by a barrier's leader: a read of the arrivals, a read of the ranks that published a
@@ -420,21 +424,4 @@ def test_a_barrier_on_a_real_libuv_store_wakes_no_rank_before_its_outcome():
         )
         for r in range(world_size)
     ]  # fmt: skip
-    errors: list[BaseException] = []
-
-    def rank(plane: ControlPlane) -> None:
-        try:
-            time.sleep(1.0 if plane.rank == 0 else 0.01 * plane.rank)
-            plane.barrier("save")
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=rank, args=(p,)) for p in planes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive(), "a simulated rank hung"
-    for plane in planes:
-        plane.close()
-    assert errors == []
+    assert barrier_on_threads(planes, lambda rank: 1.0 if rank == 0 else 0.01 * rank) == []

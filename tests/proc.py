@@ -268,3 +268,15 @@ def stock_fit_finished(run: Run) -> bool:
     """
     aborted_at_exit = run.returncode == -signal.SIGABRT and "terminate called without an active exception" in run.output
     return (run.returncode == 0 or aborted_at_exit) and not run.orphans and not run.timed_out
+
+
+def load_bench(name: str, path: Path) -> Any:
+    """Import the benchmark script ``path`` as module ``name`` (the bench/ scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look the module up while the class is created
+    spec.loader.exec_module(module)
+    return module

@@ -5,27 +5,17 @@ No timing is asserted: the jobs' results are fabricated.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.proc import load_bench
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look the module up while the class is created
-    spec.loader.exec_module(module)
-    return module
-
-
-suite = load("bench_suite", BENCH / "suite.py")
+suite = load_bench("bench_suite", BENCH / "suite.py")
 
 
 def fit(variant: str, round_: int, step: float, cpu: float, *, workload: str = "cifar", ws: int = 2) -> dict[str, Any]:
@@ -176,7 +166,7 @@ def test_report_renders_the_tables():
 
 def test_amortized_adds_the_periodic_checks_a_short_window_lacks():
     pytest.importorskip("lightning")
-    run = load("bench_workloads_run", BENCH / "workloads" / "run.py")
+    run = load_bench("bench_workloads_run", BENCH / "workloads" / "run.py")
     checks = {
         "weight_sync": {"expected_in_window": 0.5, "in_window": 0, "cost_s": 0.2, "cpu_cost_s": 0.1},
         "straggler": {"expected_in_window": 1.0, "in_window": 1, "cost_s": 0.01, "cpu_cost_s": 0.01},

@@ -5,27 +5,17 @@ No timing is asserted: the fits' figures are fabricated.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.proc import load_bench
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = load("bench_tiny_step", BENCH / "tiny_step.py")
+tiny = load_bench("bench_tiny_step", BENCH / "tiny_step.py")
 
 
 def test_chunks_cover_the_steps_and_time_all_but_the_first_step_of_each():

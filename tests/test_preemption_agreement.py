@@ -270,6 +270,36 @@ def test_a_signal_that_led_to_no_stop_is_delivered_again():
         signal.signal(signal.SIGUSR1, previous)
 
 
+_LATE_SIGNAL_AFTER_A_STOP = """
+import os, signal, sys, time
+from ddp_strategy import SafeDDPStrategy
+from ddp_strategy.callbacks.preemption_stop import PreemptionStop
+from ddp_strategy.preemption import PreemptionAgreement, train_position
+
+strategy = SafeDDPStrategy(preemption_signals=["SIGUSR1"])
+agreement = PreemptionAgreement(rank=0, world_size=1, start=train_position(0))
+agreement.request(signal.SIGUSR1)
+strategy._preemption.stop = PreemptionStop(agreement, lambda: None, lambda: None)
+strategy._preemption.stop.stopped = ("at step 3", "x.ckpt")
+strategy._preemption.after_run()
+print("handlers set", flush=True)
+os.kill(os.getpid(), signal.SIGUSR1)  # as torchrun's agent once another rank exited
+time.sleep(10)
+sys.exit(5)
+"""
+
+
+def test_a_signal_after_a_stop_ends_the_rank_with_the_stops_exit_code():
+    """A stopped rank that gets the signal again while it tears down (torchrun's agent sends SIGTERM to the
+    workers left once one exited) exits with the stop's code (128 + 10 for SIGUSR1), not "killed by a signal"."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _LATE_SIGNAL_AFTER_A_STOP], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 128 + signal.SIGUSR1, (run.returncode, run.stdout, run.stderr)
+    assert run.stdout == "handlers set\n", run.stdout
+
+
 def _stopped_rank_that_aborts_at_exit(out: str) -> None:
     """A spawn rank that stops for SIGTERM (``Preempted``) with something that aborts at interpreter exit, as the
     SIGABRT once seen after a correct stop ("terminate called without an active exception"); it has a child

@@ -6,12 +6,15 @@ Lightning namespace that Trainer is of; it is loaded once per namespace, as :mod
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["handle_signals_during_run"]
+__all__ = ["exit_with_code_on", "handle_signals_during_run"]
 
 _SIGNALS_ATTR = "_ddp_strategy_signals"
 
@@ -68,3 +71,29 @@ class _Composed:
         self.first(signum)
         if self.then is not None:
             self.then(signum, frame)
+
+
+def exit_with_code_on(signals: Sequence[signal.Signals], code: int) -> None:
+    """From now on, each of ``signals`` ends the process at once with exit ``code`` (streams flushed first).
+
+    For a rank that already stopped and is exiting with ``code``: a signal that arrives while it tears down (from
+    ``torchrun``'s agent, once another rank exited) must not turn its exit into "killed by a signal". Only from the
+    main thread (Python sets handlers there only).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in signals:
+        signal.signal(sig, _ExitWith(code))
+
+
+class _ExitWith:
+    """A signal handler that ends the process with a fixed exit code."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(self.code)

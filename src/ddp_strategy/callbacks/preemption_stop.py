@@ -24,7 +24,7 @@ from .._compat.loops import (
     validation_progress_state,
     validation_runs_after_this_batch,
 )
-from .._compat.signals import handle_signals_during_run
+from .._compat.signals import exit_with_code_on, handle_signals_during_run
 from ..checkpoint.keys import PACKAGE_KEY, RNG_AT_VALIDATION_START_KEY
 from ..control import ControlPlane
 from ..options import StrategyOptions
@@ -320,7 +320,23 @@ class PreemptionHandling:
         )
         self.stop = PreemptionStop(agreement, self._control, self._finish_writes, stage, self._at_validation_start)
         add_callback(trainer, self.stop, replace=PreemptionStop)
-        handle_signals_during_run(trainer, self.signals, agreement.request, self.deliver_unused_signal)
+        handle_signals_during_run(trainer, self.signals, agreement.request, self.after_run)
+
+    def after_run(self) -> None:
+        """After the run's handlers were restored: a stopped rank exits with its code, an unused signal comes again.
+
+        Without a stop, this is :meth:`deliver_unused_signal`.
+
+        A stopped rank is on its way out with :class:`~ddp_strategy.Preempted`. Under ``torchrun`` the agent sends
+        SIGTERM to the workers still running as soon as one exits; a rank still tearing down would then be reported
+        as killed by the signal (exit -15) instead of stopped (143). So from here until the process ends, the
+        stop's signals end it at once with the stop's own exit code (:func:`exit_with_code_on`).
+        """
+        stop = self.stop
+        if stop is not None and stop.stopped is not None:
+            exit_with_code_on(self.signals, stop.agreement.exit_code())
+            return
+        self.deliver_unused_signal()
 
     def deliver_unused_signal(self) -> None:
         """After the run's handlers were restored: a signal that led to no stop is delivered again, as if unhandled.

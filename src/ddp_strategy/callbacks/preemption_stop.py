@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from typing_extensions import override
 
+from .._compat.callback_hooks import skip_inherited_batch_hooks
 from .._compat.lightning import (
     Callback,
     TrainerFn,
@@ -96,6 +97,7 @@ class PreemptionStop(Callback):
         self._rng_of_validation_start = False
         #: ``(where, path)`` of the stop, once it happened (``path``: the checkpoint, or ``None``).
         self.stopped: tuple[str, str | None] | None = None
+        skip_inherited_batch_hooks(self)  # Lightning passes over the per-batch hooks it has nothing to do in
 
     # ------------------------------------------------------------------ stage start and end
     def _forget_keys_at_close(self) -> None:

@@ -159,10 +159,16 @@ def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
     clock[0] += 1.0
     recorder.call(4, line=11)
     assert not audit.due()  # sampled: the budget holds the heartbeat's dumps back
-    audit.update()  # the training thread's dump as an epoch starts: whatever the budget
+    audit.dump_now()  # the training thread's dump as an epoch starts: whatever the budget
     assert audit.due() and recorder.dumps == 3  # published at the next beat
     mine = audit.compare(store)
     assert mine is None and not audit.due()
+    recorder.call(2)
+    with audit._lock:  # the heartbeat thread is dumping: the training thread does not wait for it
+        training = threading.Thread(target=audit.dump_now)
+        training.start()
+        training.join(5.0)
+        assert not training.is_alive() and recorder.dumps == 3
 
 
 def test_a_rank_that_publishes_second_finds_the_call_its_peer_made_elsewhere(recorder: FakeRecorder):

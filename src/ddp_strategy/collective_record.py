@@ -39,9 +39,9 @@ __all__ = [
 ]
 
 #: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``. A dump
-#: holds the GIL for its whole length, about 5 us per entry with stacks (15 us with cold caches): 64 entries keep
-#: it under 1 ms (bench/results/step_pauses.json).
-TRACE_ENTRIES = 64
+#: holds the GIL for its whole length, about 5 us per entry with stacks and up to 15-30 us in a loaded training
+#: process: 32 entries keep it under 1 ms (bench/results/step_pauses.json).
+TRACE_ENTRIES = 32
 #: Collectives per process group a rank puts in its report (the newest): the recorder's, and those its audits kept.
 REPORT_CALLS = 256
 #: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.

@@ -270,6 +270,10 @@ class DesyncMonitor:
         """Add the recorder's new calls to the audit (one dump with stacks) and return its publication."""
         return self.recorder.update()
 
+    def audit_now(self) -> None:
+        """As a training epoch starts: audit the recorder's calls now (see :meth:`RecorderAudit.dump_now`)."""
+        self.recorder.dump_now()
+
     def _ledger_differs(self, peer: Position) -> bool:
         """Whether the next rank's strategy collectives differ from this rank's at the count it reached."""
         if peer.calls == 0 or peer.calls > self.ledger.state[0]:

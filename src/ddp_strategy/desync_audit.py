@@ -42,6 +42,8 @@ __all__ = ["AUDIT_CPU_SHARE", "RecorderAudit"]
 #: The share of one CPU the audit's dumps may take on average (1e-4: 100 us per second).
 AUDIT_CPU_SHARE = 1e-4
 _AUDIT_KEY = "desync/audit/{rank}"
+_PARSED_AT_ONCE = 16  # entries parsed between two short sleeps (the GIL let go)
+_YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 
 class RecorderAudit:
@@ -83,32 +85,54 @@ class RecorderAudit:
         """Whether the heartbeat should audit now: a dump is due, or one made elsewhere is not yet published."""
         return self._unpublished or time.monotonic() >= self._next
 
-    def _dump(self) -> int:
-        """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made."""
-        with self._lock:
+    def _dump(self, *, wait: bool = True) -> int | None:
+        """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made.
+
+        The GIL is let go between the dump and the parsing, and between chunks of it (a short sleep), so that a
+        training thread waiting for it never waits longer than the longest of these parts. ``wait=False``: ``None``
+        at once when another thread is dumping.
+        """
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             status = collective_status()
             if status != self._status:
                 self._status = status
+                time.sleep(_YIELD)
+                recorded = collective_trace()
+                time.sleep(_YIELD)
                 newest = self.calls.newest
                 entries = [
                     e
-                    for e in collective_trace()
+                    for e in recorded
                     if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
                 ]
-                # no notes: what a call was must come from its own stack, the same on every rank at any time
-                self.calls.add(calls_from_trace(entries))
+                for start in range(0, len(entries), _PARSED_AT_ONCE):
+                    if start:
+                        time.sleep(_YIELD)
+                    # no notes: what a call was must come from its own stack, the same on every rank at any time
+                    self.calls.add(calls_from_trace(entries[start : start + _PARSED_AT_ONCE]))
                 self._unpublished = True
             return sum(enqueued for enqueued, _ in status.values())
+        finally:
+            self._lock.release()
 
     def update(self) -> dict[str, list[Any]]:
         """Add the recorder's new calls now and return this rank's publication (published at the next beat).
 
-        Called by the training thread at a stage's end and as each training epoch starts (the previous epoch's
-        last calls: its end hooks, its validation), whatever the budget: once per epoch.
+        Called by the training thread at a stage's end.
         """
         self._dump()
         with self._lock:
             return self.calls.publication()
+
+    def dump_now(self) -> None:
+        """Add the recorder's new calls now, whatever the budget, unless the heartbeat thread is dumping them.
+
+        Called by the training thread as each training epoch starts (the previous epoch's last calls: its end hooks,
+        its validation): once per epoch. Published at the next beat.
+        """
+        self._dump(wait=False)
 
     def compare(self, store: Store) -> tuple[str, int] | None:
         """On the heartbeat thread: audit when due; after new calls, publish and compare with the next rank's.
@@ -121,7 +145,7 @@ class RecorderAudit:
         now = time.monotonic()
         if now >= self._next:
             start = time.thread_time()
-            calls = self._dump()
+            calls = self._dump() or 0
             took = time.thread_time() - start
             then, counted = self._counted
             rate = (calls - counted) / max(now - then, 1e-3)

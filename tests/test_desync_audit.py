@@ -272,6 +272,28 @@ def test_reduce_adds_the_ledger_text_it_added_before_and_keeps_it_per_logged_val
     calls.reduce(lambda t, group, reduce_op: None, tensor, None, "mean")
     assert len(calls._texts) == 2 and monitor.ledger.state[0] == 4
     assert calls.notes.lookup(time.time_ns()) == ""  # every note closed
+    # inside `self.log(..., sync_dist=True)` (a step value): named by the call, without a look at the stack
+    monkeypatch.setattr("ddp_strategy.collective_calls.logged_metric_of_caller", lambda depth: 1 / 0)
+    calls.log_sites.current = ("training_step", "loss")
+    calls.reduce(lambda t, group, reduce_op: None, tensor, None, "mean")
+    assert monitor.ledger.texts[-1][1] == expected[0]
+
+
+def test_the_logged_value_is_known_inside_its_log_call_only():
+    from ddp_strategy.collective_record import LogSites
+
+    seen: list[Any] = []
+    sites = LogSites()
+    module = SimpleNamespace(_current_fx_name="training_step")
+    module.log = lambda name, value, **kwargs: seen.append(sites.current)  # Lightning's log, which syncs now
+    sites.install(module)
+    module.log("loss", 1.0, sync_dist=True)
+    module.log("acc", 1.0)  # no sync: not a value the strategy reduces
+    assert seen == [("training_step", "loss"), None] and sites.current is None
+    assert sites.sites[("training_step", "loss")].endswith(
+        " in test_the_logged_value_is_known_inside_its_log_call_only"
+    )
+    sites.uninstall()
 
 
 def test_collective_call_history_is_kept_per_group():

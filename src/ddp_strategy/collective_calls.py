@@ -64,7 +64,9 @@ class CollectiveCalls:
         error = monitor.control.desync_error
         if error is not None:
             raise error
-        logged = logged_metric_of_caller(depth=9)  # from the strategy's `reduce` on: its caller's 8 frames
+        # a step value syncs inside its `self.log` call; an epoch value later, from Lightning's code: found on the
+        # stack (from the strategy's `reduce` on, its caller's 8 frames)
+        logged = self.log_sites.current or logged_metric_of_caller(depth=9)
         ledger_text, note_text = self._reduce_texts(logged, tensor, reduce_op)
         monitor.ledger.add(ledger_text)
         note = self.notes.begin(note_text)

@@ -206,6 +206,9 @@ class LogSites:
 
     def __init__(self) -> None:
         self.sites: dict[tuple[str, str], str] = {}
+        #: ``(hook, name)`` of the ``self.log(..., sync_dist=True)`` call running now: Lightning syncs a step value
+        #: inside it (the strategy's ``reduce`` then needs no look at the stack to name it)
+        self.current: tuple[str, str] | None = None
         self._module: Any = None
 
     def install(self, module: Any) -> None:
@@ -215,11 +218,16 @@ class LogSites:
         sites = self.sites
 
         def log_recording_site(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("sync_dist"):
-                key = (current_hook_name(module), name)
-                if key not in sites:
-                    sites[key] = call_site(skip=2)
-            return original(name, value, *args, **kwargs)
+            if not kwargs.get("sync_dist"):
+                return original(name, value, *args, **kwargs)
+            key = (current_hook_name(module), name)
+            if key not in sites:
+                sites[key] = call_site(skip=2)
+            self.current = key
+            try:
+                return original(name, value, *args, **kwargs)
+            finally:
+                self.current = None
 
         module.log = log_recording_site
         self._module = module

@@ -36,6 +36,7 @@ names.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -71,7 +72,6 @@ from .desync_verdict import (
 )
 from .errors import CollectiveMismatchError
 from .gather_shapes import check_gather_shapes
-from .positions import Position
 from .store_barrier import POSITION_KEY
 
 __all__ = [
@@ -255,7 +255,7 @@ class DesyncMonitor:
         if not look:
             return
         self._next_look = time.monotonic() + control.heartbeat.interval
-        if not self._ledger_inquired and len(values) > 2 and self._ledger_differs(Position.from_json(values[2])):
+        if not self._ledger_inquired and len(values) > 2 and self._ledger_differs(json.loads(values[2])):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, _open(store, inquiry))
             return
@@ -274,12 +274,19 @@ class DesyncMonitor:
         """As a training epoch starts: audit the recorder's calls now (see :meth:`RecorderAudit.dump_now`)."""
         self.recorder.dump_now()
 
-    def _ledger_differs(self, peer: Position) -> bool:
-        """Whether the next rank's strategy collectives differ from this rank's at the count it reached."""
-        if peer.calls == 0 or peer.calls > self.ledger.state[0]:
+    def _ledger_differs(self, peer: dict[str, Any]) -> bool:
+        """Whether the next rank's strategy collectives differ from this rank's at the count it reached.
+
+        Args:
+            peer: the next rank's published :class:`~ddp_strategy.positions.Position` as JSON data (its ``calls``
+                and ``digest`` are read).
+
+        """
+        calls, digest = int(peer.get("calls") or 0), int(peer.get("digest") or 0)
+        if calls == 0 or calls > self.ledger.state[0]:
             return False
-        mine = self.ledger.digest_at(peer.calls)
-        return mine is not None and mine != peer.digest
+        mine = self.ledger.digest_at(calls)
+        return mine is not None and mine != digest
 
     # ------------------------------------------------------------------ inquiring
     def report(self) -> RankReport:

@@ -70,7 +70,7 @@ class CountingStore:
         self.inner.append(key, value)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        self._count(1)
+        self._count(1, key)
         return bytes(self.inner.compare_set(key, expected, desired))
 
 
@@ -124,9 +124,10 @@ def late_rank_barrier(world_size: int, late: float, timeout: float = 30.0) -> tu
     return stores, shared
 
 
-#: store operations of one scan by a barrier's leader: check and get of the arrivals, check and get of the ranks
-#: that published a position, one batched read of the missing ranks' positions (up to 256 of them)
-SCAN_OPS = 5
+#: store operations of one scan by a barrier's leader: a read of the arrivals, a read of the ranks that published a
+#: position (each one `compare_set` that never waits: `store.get_if_set`), one batched read of the missing ranks'
+#: positions (up to 256 of them)
+SCAN_OPS = 3
 
 
 def test_a_barrier_with_a_late_rank_costs_each_rank_the_same_few_operations_at_8_and_48_ranks():
@@ -135,7 +136,7 @@ def test_a_barrier_with_a_late_rank_costs_each_rank_the_same_few_operations_at_8
     counts = {}
     for world_size in (8, 48):
         stores, _ = late_rank_barrier(world_size, late=1.5)
-        scans = [s.by_key.get("barrier/0/arrived", 0) // 2 for s in stores]
+        scans = [s.by_key.get("barrier/0/arrived", 0) for s in stores]
         assert sum(1 for n in scans if n) == 1  # one rank (the first to arrive) watches the others
         deleted = [s.by_key.get("delete_key", 0) for s in stores]
         assert sorted(deleted)[-2:] == [0, 5]  # the last rank to leave deletes the barrier's 5 keys
@@ -333,3 +334,67 @@ def test_ranks_that_fail_together_survey_their_peers_once(caplog):
     assert all(d.gone == (15,) or d.failed == (surveyors[0],) for d in found.values())
     for plane in planes:
         plane.close()
+
+
+def test_after_an_inquiry_finds_nothing_in_a_wait_the_ranks_beat_at_the_normal_pace_again(monkeypatch):
+    # every rank waits in the same collective for minutes (a long checkpoint write on another thread, a slow loader):
+    # the one inquiry for that wait finds no divergence, and is not reopened while the wait lasts; the fast beats,
+    # there to answer an inquiry quickly, stop too (before: 5 polls a second per rank for the whole wait)
+    world_size = 8
+    wait = ["collective 0#7"]
+    monkeypatch.setattr(DesyncMonitor, "_current_wait", lambda self: (wait[0], time.time() - 60))
+    monkeypatch.setattr(
+        DesyncMonitor,
+        "report",
+        lambda self: RankReport(rank=self.control.rank, calls=(), waiting=wait[0], waiting_since=1.0, step=2),
+    )
+    shared = dist.HashStore()
+    stores = [CountingStore(shared) for _ in range(world_size)]
+    controls = [_BeatingControl(r, world_size, stores[r]) for r in range(world_size)]
+    monitors = [DesyncMonitor(c, CallNotes()) for c in controls]  # type: ignore[arg-type]
+    fast_before: dict[int, bool] = {}
+
+    def beat_until_answered(monitor: DesyncMonitor, store: CountingStore) -> None:
+        monitor.beat(store)  # counts itself stuck
+        fast_before[monitor.control.rank] = monitor.control.heartbeat.fast_beat
+        deadline = time.monotonic() + 30
+        while monitor._answered < 1 and time.monotonic() < deadline:
+            monitor.beat(store)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=beat_until_answered, args=pair) for pair in zip(monitors, stores, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a simulated rank hung"
+    assert fast_before == dict.fromkeys(range(world_size), True)  # fast while an inquiry may come
+    assert int(shared.add("desync/inquiry", 0)) == 1  # one inquiry for the whole wait
+    for monitor, store in zip(monitors, stores, strict=True):
+        assert monitor.control.desync_error is None  # nothing diverged
+        monitor.beat(store)
+        assert not monitor.control.heartbeat.fast_beat  # the normal pace again
+    wait[0] = "collective 0#8"  # a new wait: an inquiry may come again, so the beats are fast again
+    monitors[3].beat(stores[3])
+    assert monitors[3].control.heartbeat.fast_beat
+
+
+@pytest.mark.parametrize("kind", ["hash", "tcp"])
+def test_get_if_set_reads_a_key_in_one_operation_without_waiting_or_creating_it(kind):
+    from ddp_strategy.store import get_if_set
+
+    base = (
+        dist.HashStore()
+        if kind == "hash"
+        else dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    )
+    store = CountingStore(dist.PrefixStore("run/", base))
+    started = time.monotonic()
+    assert get_if_set(store, "pos/3") is None  # a plain `get` would wait up to the store's timeout here
+    assert time.monotonic() - started < 5
+    assert not store.inner.check(["pos/3"])  # nothing was set
+    store.inner.set("pos/3", "")
+    assert get_if_set(store, "pos/3") == b""
+    store.inner.set("pos/3", '{"kind": "training step"}')
+    assert get_if_set(store, "pos/3") == b'{"kind": "training step"}'
+    assert store.ops == 3

@@ -257,7 +257,41 @@ def test_exact_evaluation_cost():
     assert ev["counted"] == {"ddp": ev["samples"] + 1, "safe_ddp": ev["samples"]}  # bench README: 2002 vs 2001
 
 
-@pytest.mark.parametrize("name", ["callback_cost", "checkpoint_save", "handshake", "strategy_cost", "suite"])
+# ---------------------------------------------------------------------------------------------- tiny-model step
+
+
+def cpu_added(name: str, mode: str) -> list[str]:
+    """The paired CPU microseconds safe adds per step over stock: median, min, max, as bench/tiny_step.py prints."""
+    (target,) = [t for t in result(name)["analysis"]["targets"] if t["mode"] == mode]
+    return [f"{target['cpu_added_s'][k] * 1e6:.0f}" for k in ("median", "min", "max")]
+
+
+def test_tiny_step_safe_vs_stock():
+    targets = {t["mode"]: t for t in result("tiny_step")["analysis"]["targets"]}
+    nolog, sync = targets["nolog"], targets["sync_dist"]
+    (a, a_lo, a_hi), (b, b_lo, b_hi) = cpu_added("tiny_step", "nolog"), cpu_added("tiny_step", "sync_dist")
+    assert_on(
+        "bench/README.md",
+        f"`safe / stock` in wall-clock time: {nolog['wall']:.3f} without logging (missed) and {sync['wall']:.3f} with "
+        'the `sync_dist` log ("met" by the rule, not resolved)',
+        f"By CPU time the target is missed in both modes: {nolog['cpu']:.3f} and {sync['cpu']:.3f}",
+        f"{a} us more per step without logging ({a_lo} to {a_hi}) and {b} us with the `sync_dist` log "
+        f"({b_lo} to {b_hi})",
+    )
+    assert not nolog["met"] and sync["met"]
+    assert not nolog["met_by_cpu"] and not sync["met_by_cpu"]
+    assert nolog["cpu_added_s"]["min"] > 0 and sync["cpu_added_s"]["min"] > 0  # "in every one of the paired rounds"
+    (a, a_lo, a_hi), (b, b_lo, b_hi) = (
+        cpu_added("tiny_step-heavy-load", "nolog"),
+        cpu_added("tiny_step-heavy-load", "sync_dist"),
+    )
+    assert_on("bench/README.md", f"again +{a} us ({a_lo} to {a_hi}) and +{b} us ({b_lo} to {b_hi}) of CPU per step")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["callback_cost", "checkpoint_save", "handshake", "strategy_cost", "suite", "tiny_step", "tiny_step-heavy-load"],
+)
 def test_results_are_from_the_versions_bench_readme_names(name: str):
     """The quoted runs used torch 2.14.1 and (where recorded) Lightning 2.6.6, as bench/README.md says."""
     meta = result(name).get("meta") or result(name)["machine"]

@@ -385,3 +385,59 @@ def test_uneven_inputs_rank_that_ran_out_is_alive_and_the_other_waits_in_a_colle
     assert "HangWatchdog: killed rank" not in run.output and "unresponsive" not in run.output, run.describe()
     assert (dumps / "hang-rank0.txt").exists()
     assert run.seconds < 90, run.describe()
+
+
+def test_the_report_exchange_costs_each_rank_the_same_few_store_operations_at_8_and_32_ranks(tmp_path):
+    # before issue 32 every rank polled `check` of all W report keys every 50 ms and each summarising look read
+    # them one by one: O(W) keys per poll and rank. Now each rank's polls read one counter, and only the lowest
+    # reporting rank reads the reports, in batches
+    from ddp_strategy.callbacks.hang_alarm import HangAlarm
+    from tests.test_control_scale import CountingStore
+
+    per_rank = {}
+    for world_size in (8, 32):
+        shared = dist.HashStore()
+        stores = [CountingStore(shared) for _ in range(world_size)]
+        emitted: list[str] = []
+        alarms = [
+            HangAlarm(
+                rank=r,
+                world_size=world_size,
+                control=None,
+                store=stores[r],  # type: ignore[arg-type]
+                folder=tmp_path / str(world_size),
+                exit_code=124,
+                grace_period=20.0,
+                step=lambda: 7,
+                progress=lambda: (time.monotonic() - 30, "on_train_batch_end (batch 3)"),
+                emit=emitted.append,
+            )
+            for r in range(world_size)
+        ]
+        reports = [a.report("rank 3 made no progress for 30 s") for a in alarms]
+        emitted.clear()  # the stack dumps
+        for store in stores:
+            store.ops = store.keys = 0
+        threads = [
+            threading.Thread(target=a._coordinate, args=(s, rep, "rank 3 made no progress for 30 s"))
+            for a, s, rep in zip(alarms, stores, reports, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive(), "a simulated rank hung"
+        summaries = [e for e in emitted if e.startswith("===== HangWatchdog: training hung")]
+        assert len(summaries) == 1, emitted  # one summary, by the lowest rank, naming every rank's report
+        assert "Every rank now exits with code 124." in summaries[0]
+        assert f"rank 0-{world_size - 1}: running" in summaries[0], summaries[0]  # every rank's report is in it
+        readers = [s for s in stores if s.by_key.get("multi_get")]
+        assert len(readers) == 1 and readers[0] is stores[0]  # rank 0 summarised, reading the reports in batches
+        assert readers[0].by_key["multi_get"] == -(-world_size // 256)
+        # every rank: set, append, add, then polls of one counter (paced at 50 ms: how many depends on the clock),
+        # one read of who reported; the others a look at `done` per poll and one add; keys touched per op: one
+        polls = [s.by_key.get("hang/reported-count", 0) + s.by_key.get("hang/done", 0) for s in stores]
+        others = [s.keys - n for s, n in zip(stores[1:], polls[1:], strict=True)]
+        assert max(others) <= 6, others
+        per_rank[world_size] = max(others)
+    assert per_rank[32] == per_rank[8]

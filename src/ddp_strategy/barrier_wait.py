@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from .errors import CollectiveMismatchError
 from .positions import Position, format_ranks
-from .store import Store
+from .store import Store, get_if_set
 from .store_barrier import (
     SHOWN_POSITIONS,
     Outcome,
@@ -150,8 +150,9 @@ class MonitoredBarrier:
         key = done_key(seq)
         try:
             for _ in range(_QUICK_POLLS if self.world_size <= _QUICK_WORLD else 1):
-                if store.check([key]):
-                    return Outcome.from_value(store.get(key))
+                value = get_if_set(store, key)
+                if value is not None:
+                    return Outcome.from_value(value)
                 time.sleep(_QUICK_POLL)
         except Exception as err:
             raise self.store_lost(name, site, err) from err

@@ -21,15 +21,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar, cast, overload
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
 from ._compat.torch import default_store, new_lazy_gloo_group, new_store_connection
-from .agreement import RankFailure, also_failed, failures, first_failure, from_rank, settle
+from .agreement import RankFailure, also_failed, failures, first_failure, from_rank
 from .barrier_wait import MonitoredBarrier
+from .control_agreement import ControlAgreement
 from .errors import CollectiveMismatchError
 from .heartbeat import (
     FAILURE_KEYS,
@@ -60,7 +61,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 _UNNAMED = "<unnamed>"
 
@@ -92,7 +92,7 @@ def _namespace(prefix: str, base: Any) -> tuple[Store, Callable[[], Store]]:
     return cast(Store, dist.PrefixStore(prefix, base)), connect  # type: ignore[attr-defined]
 
 
-class ControlPlane:
+class ControlPlane(ControlAgreement):
     """Coordination between the ranks of one strategy run.
 
     Create it with :meth:`create` after the default process group exists, and :meth:`close` it at teardown.
@@ -100,6 +100,7 @@ class ControlPlane:
     collective; the difference is that a rank that does not is named in an error instead of causing a hang.
 
     Where this rank is, as it publishes it, and what it reads of the other ranks' positions: :attr:`heartbeat`.
+    The agreement primitive, :meth:`agree`, comes from :class:`~ddp_strategy.control_agreement.ControlAgreement`.
 
     Args:
         rank: this process's global rank.
@@ -319,72 +320,6 @@ class ControlPlane:
             return obj
         self._collective(name, site)
         return broadcast_object(obj, src=src, rank=self.rank, group=self._group, keep=self._keep)  # type: ignore[no-any-return]
-
-    @overload
-    def agree(
-        self,
-        name: str,
-        local: Callable[[], T],
-        decide: Callable[[Sequence[T | RankFailure]], R],
-        *,
-        site: str | None = None,
-        passed: Callable[[Position], bool] | None = None,
-    ) -> R: ...
-
-    @overload
-    def agree(
-        self,
-        name: str,
-        local: T,
-        decide: Callable[[Sequence[T | RankFailure]], R],
-        *,
-        site: str | None = None,
-        passed: Callable[[Position], bool] | None = None,
-    ) -> R: ...
-
-    def agree(
-        self,
-        name: str,
-        local: T | Callable[[], T],
-        decide: Callable[[Sequence[T | RankFailure]], R],
-        *,
-        site: str | None = None,
-        passed: Callable[[Position], bool] | None = None,
-    ) -> R:
-        """Make every rank take the same decision on one small value per rank, or raise the same error.
-
-        The model is PyTorch DCP's ``_DistWrapper.all_reduce``: each rank computes its value, a failure included
-        (so a rank that fails locally still takes part and nobody waits for it), the values are gathered on every
-        rank (behind a monitored barrier, which names a rank that never comes), and ``decide`` turns them into the
-        result on every rank. As every rank runs ``decide`` on the same values, every rank returns the same result
-        or raises the same error. On a rank whose own step failed, that error is chained to its exception.
-
-        Args:
-            name: the name of the agreement, for barriers and errors; every rank must use the same.
-            local: this rank's value (small and picklable), or a function without arguments computing it: an
-                ``Exception`` it raises becomes this rank's value, as a :class:`RankFailure` (``KeyboardInterrupt``
-                and ``SystemExit`` propagate at once). To agree on a value that is itself callable, pass a
-                function returning it.
-            decide: computes the result from the values, indexed by rank, or raises. It must depend only on the
-                values (it may phrase a message relative to :attr:`rank`); :func:`first_failure` and
-                :func:`from_rank` are the common decisions.
-            site: the call site to report; found from the stack when not given.
-            passed: for an agreement that only the ranks whose local test fired enter: see :meth:`barrier`.
-
-        Returns:
-            What ``decide`` returned, the same on every rank.
-
-        Raises:
-            CollectiveMismatchError: some rank did not reach the agreement in time, or reached another one.
-            Exception: whatever ``decide`` raised, on every rank.
-
-        """
-        where = call_site(skip=2) if site is None else site
-
-        def gather(mine: T | RankFailure) -> list[T | RankFailure]:
-            return self.all_gather_object(mine, name, site=where, passed=passed)
-
-        return settle(self.rank, local, decide, gather)
 
     # ------------------------------------------------------------------ failures
     def note_failure(self, exception: BaseException) -> None:

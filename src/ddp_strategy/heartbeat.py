@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from .exit_safety import end_at_exit
 from .positions import Position
-from .store import Store
+from .store import Store, get_if_set
 from .store_barrier import POSITION_KEY, Outcome, abort, read_positions_of
 
 __all__ = [
@@ -63,10 +63,8 @@ def scaled_interval(interval: float, world_size: int) -> float:
 
 def read_position(store: Store, rank: int) -> Position | None:
     """The last position ``rank`` published through ``store``, or ``None`` when it never published one."""
-    key = POSITION_KEY.format(rank=rank)
-    if not store.check([key]):
-        return None
-    return Position.from_json(store.get(key))
+    value = get_if_set(store, POSITION_KEY.format(rank=rank))
+    return None if value is None else Position.from_json(value)
 
 
 def failures_published(store: Store) -> int:
@@ -331,10 +329,7 @@ class Heartbeat:
     def _read_peer_failure(self, store: Store) -> None:
         """Keep the first failure another rank published, and tell that rank it was seen."""
         failed = int(store.get(_FAILED_KEY))
-        key = POSITION_KEY.format(rank=failed)
-        if failed == self.rank or not store.check([key]):
-            return
-        position = Position.from_json(store.get(key))
-        if position.kind == "failed":
+        position = None if failed == self.rank else read_position(store, failed)
+        if position is not None and position.kind == "failed":
             self.peer_failure = (failed, position)
             store.add(_SEEN_KEY, 1)

@@ -22,7 +22,9 @@ from ._compat.lightning import (
     init_default_process_group,
     pl,
     rank_zero_warn,
+    trainer_of,
     training_dataloaders,
+    training_progress,
 )
 from ._compat.torch import collective_status, collective_trace_enabled
 from .collective_calls import CollectiveCalls
@@ -31,8 +33,10 @@ from .control import ControlPlane
 from .desync import DesyncMonitor
 from .errors import CollectiveMismatchError, DDPStrategyError
 from .fork_safety import fork_hazard, pin_collective_threads
+from .host import StrategyHost
 from .options import StrategyOptions
 from .peers import diagnose_failed_peers
+from .positions import call_site
 from .preemption import Preempted
 from .rendezvous import member_of, open_rendezvous
 
@@ -104,14 +108,19 @@ class RunLifecycle:
             pg_timeout=timeout if timeout is not None else timedelta(minutes=30),
         )
 
-    def start(self, world_size: int, progress: Callable[[], tuple[int, int] | None]) -> None:
+    def start(self, strategy: StrategyHost) -> None:
         """At ``setup_environment``: create the control plane (and desync monitor) unless it exists; not failed.
 
         Args:
-            world_size: the number of ranks.
-            progress: ``(epoch, batches fetched in it)`` while training, for the desync monitor.
+            strategy: the strategy being set up (its world size; its Trainer's training progress, ``(epoch, batches
+                fetched in it)``, for the desync monitor).
 
         """
+        world_size = strategy.world_size
+
+        def progress() -> tuple[int, int] | None:
+            return training_progress(trainer_of(strategy.lightning_module))
+
         if self.control is None:
             self.control = ControlPlane.create(timeout=self.barrier_timeout, heartbeat_interval=self.heartbeat_interval)
             self.desync = None
@@ -125,14 +134,32 @@ class RunLifecycle:
                 self._default_group_pinned = True
         self.failed = False
 
-    def warn_about_fork_hazard(self, trainer: pl.Trainer | None, *, is_global_zero: bool, world_size: int) -> None:
+    def barrier(self, name: str | None, fallback: Callable[[str | None], None]) -> None:
+        """``strategy.barrier(name)``: the control plane's monitored barrier, or ``fallback`` outside a stage.
+
+        Args:
+            name: the barrier's name, for errors.
+            fallback: DDP's own barrier, for when there is no control plane or no default process group.
+
+        Raises:
+            CollectiveMismatchError: some ranks did not arrive within the timeout, or arrived at another barrier.
+
+        """
+        control = self.control
+        if control is None or not dist.is_initialized():
+            fallback(name)
+            return
+        control.barrier(name, site=call_site(skip=3))
+
+    def warn_about_fork_hazard(self, strategy: StrategyHost) -> None:
         """On rank 0, when the gloo threads could not all be pinned: name the DataLoaders that fork every epoch."""
-        if trainer is None or not is_global_zero or self.collective_threads_pinned:
+        trainer = trainer_of(strategy.lightning_module)
+        if trainer is None or not strategy.is_global_zero or self.collective_threads_pinned:
             return
         val = trainer.val_dataloaders
         loaders = [("training", loader) for loader in training_dataloaders(trainer)]
         loaders += [("validation", loader) for loader in (val if isinstance(val, list | tuple) else [val])]
-        warning = fork_hazard(loaders, world_size=world_size)
+        warning = fork_hazard(loaders, world_size=strategy.world_size)
         if warning is not None:
             rank_zero_warn(warning)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Protocol
 
-__all__ = ["Store"]
+__all__ = ["Store", "get_if_set"]
 
 
 class Store(Protocol):
@@ -40,3 +40,19 @@ class Store(Protocol):
 
         Returns the value of ``key`` afterwards.
         """
+
+
+#: A value no key of the package ever holds (see :func:`get_if_set`).
+_ABSENT = "\x00ddp_strategy:absent"
+
+
+def get_if_set(store: Store, key: str) -> bytes | None:
+    """The value of ``key``, or ``None`` when it is not set: one round trip, never waiting.
+
+    ``get`` waits for a missing key (up to the store's timeout), so a read that must not wait was ``check`` then
+    ``get``: two round trips. ``compare_set(key, ABSENT, ABSENT)`` with a value no key holds returns the key's
+    value when it is set, and ``ABSENT`` without setting anything when it is not (torch's ``TCPStore``, libuv or
+    not, ``HashStore`` and ``PrefixStore`` alike).
+    """
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value

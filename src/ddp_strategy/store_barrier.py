@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .positions import Position
-from .store import Store
+from .store import Store, get_if_set
 
 __all__ = [
     "OK",
@@ -165,10 +165,10 @@ def leave(store: Store, seq: int, world_size: int) -> None:
 
 def arrived(store: Store, seq: int) -> dict[int, str]:
     """Rank -> barrier name of every rank that has arrived at ``seq`` (one read)."""
-    key = _key(seq, "arrived")
-    if not store.check([key]):
+    value = get_if_set(store, _key(seq, "arrived"))
+    if value is None:
         return {}
-    entries = (line.split("\t", 1) for line in store.get(key).decode().splitlines() if "\t" in line)
+    entries = (line.split("\t", 1) for line in value.decode().splitlines() if "\t" in line)
     return {int(rank): name for rank, name in entries}
 
 
@@ -194,6 +194,5 @@ def read_positions_of(store: Store, ranks: Sequence[int]) -> dict[int, Position 
 
 
 def _published(store: Store) -> set[int]:
-    if not store.check([PUBLISHED_KEY]):
-        return set()
-    return {int(line) for line in store.get(PUBLISHED_KEY).decode().split()}
+    value = get_if_set(store, PUBLISHED_KEY)
+    return set() if value is None else {int(line) for line in value.decode().split()}

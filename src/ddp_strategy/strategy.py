@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
@@ -21,27 +20,18 @@ from ._compat.lightning import (
     StrategyRegistryType,
     pl,
     trainer_of,
-    training_progress,
 )
 from .bucket_layout import BucketLayoutKeeper
-from .callbacks.preemption_stop import PreemptionHandling
 from .callbacks.sharding_check import ensure_sharding_check
 from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
-from .collective_calls import CollectiveCalls, mean_in_floating_point
+from .collective_calls import mean_in_floating_point
 from .control import ControlPlane
 from .evaluation.coordinator import ExactEvaluation
-from .evaluation.steps import EvaluationSteps
-from .handshake_runner import Handshakes
+from .features import build_features
 from .host import Delegated
-from .lifecycle import RunLifecycle
 from .options import DEFAULT_BARRIER_TIMEOUT, StrategyOptions
-from .positions import call_site
 from .preemption import DEFAULT_PREEMPTION_SIGNALS, exit_code
-from .resume import ExactResume
-from .saving import CheckpointSaving
-from .unused_parameters import UnusedParameterCheck
-from .weight_checks import WeightChecks
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
@@ -117,19 +107,11 @@ class SafeDDPStrategy(DDPStrategy):
         )  # fmt: skip
         #: DDP's gradient-bucket layout, saved in checkpoints and restored on resume (bit-exact at 3+ ranks).
         self.bucket_layout = BucketLayoutKeeper()
-        # One object per feature; the bound method `control` keeps the strategy picklable (spawn launcher).
-        self._calls = CollectiveCalls()
-        self._lifecycle = RunLifecycle(self._calls, options)
-        control = self._lifecycle.control_plane_or_none
-        self._handshakes = Handshakes(control, options)
-        self._evaluation = EvaluationSteps(control, options)
-        self._weights = WeightChecks(options)
-        self._saving = CheckpointSaving(self, options, self._lifecycle, self._weights, self.bucket_layout)
-        self._resume = ExactResume(self, control, self.bucket_layout, self._saving.wait_before_reading)
-        self._preemption = PreemptionHandling(
-            options, control, self._saving.finish_async_writes, self._resume.at_validation_start
-        )
-        self._unused = UnusedParameterCheck(control)
+        # One object per feature, wired together in features.py (the strategy still pickles: spawn launcher).
+        f = build_features(self, options, self.bucket_layout)
+        self._calls, self._lifecycle, self._handshakes = f.calls, f.lifecycle, f.handshakes
+        self._evaluation, self._weights, self._saving = f.evaluation, f.weights, f.saving
+        self._resume, self._preemption, self._unused = f.resume, f.preemption, f.unused
 
     # ------------------------------------------------------------------ attributes
     #: The control plane, available between ``setup_environment`` and ``teardown``.
@@ -181,7 +163,7 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._lifecycle.start(self.world_size, self._training_progress)
+        self._lifecycle.start(self)
         self._resume.agree_on_path(self._trainer_or_none())
         self._handshakes.check_devices(self)
 
@@ -230,8 +212,7 @@ class SafeDDPStrategy(DDPStrategy):
         # Always checked here, even after the sanity-check validation ran the handshake: user hooks such as
         # on_train_start run in between and may change weights on one rank.
         self._handshakes.run("train", self)
-        trainer = self._trainer_or_none()
-        self._lifecycle.warn_about_fork_hazard(trainer, is_global_zero=self.is_global_zero, world_size=self.world_size)
+        self._lifecycle.warn_about_fork_hazard(self)
         super().on_train_start()
 
     @override
@@ -303,11 +284,7 @@ class SafeDDPStrategy(DDPStrategy):
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         """A monitored barrier ``name`` (:meth:`ControlPlane.barrier`): ``CollectiveMismatchError``, never a hang."""
-        control = self._lifecycle.control
-        if control is None or not dist.is_initialized():
-            super().barrier(name)
-            return
-        control.barrier(name, site=call_site(skip=2))
+        self._lifecycle.barrier(name, super().barrier)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
@@ -365,6 +342,3 @@ class SafeDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ helpers
     def _trainer_or_none(self) -> pl.Trainer | None:
         return trainer_of(self.lightning_module)
-
-    def _training_progress(self) -> tuple[int, int] | None:
-        return training_progress(self._trainer_or_none())

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..control import ControlPlane, Store
+from ..store import get_if_set
 from .hang_report import BEFORE_BATCH, PER_BATCH_WAITS, dump_threads, frames, is_alive, locate, summarize
 
 __all__ = ["PROCESS_KEY", "TRIGGER_KEY", "HangAlarm"]
@@ -31,9 +32,12 @@ log = logging.getLogger(f"{__package__}.hang_watchdog")  # the logger it had bef
 TRIGGER_KEY = "hang/trigger"  # the alarm: the reason of the rank that raised it
 PROCESS_KEY = "hang/process/{rank}"  # each rank's host and pid, to kill a rank frozen without running Python
 _REPORT_KEY = "hang/report/{rank}"
+_REPORTED_KEY = "hang/reported"  # the ranks that published a report, one per line (``append``)
+_REPORTED_COUNT_KEY = "hang/reported-count"  # how many did (``add``): every rank waits on this one counter
 _DONE_KEY = "hang/done"
-_ACK_KEY = "hang/ack/{rank}"
+_ACK_COUNT_KEY = "hang/acks"  # how many ranks saw the summary (``add``)
 _POLL = 0.05  # seconds between store polls while ranks exchange their reports
+_READ_BATCH = 256  # reports per ``multi_get`` of the summarising rank
 
 
 @dataclass(frozen=True)
@@ -165,15 +169,19 @@ class HangAlarm:
         """Publish this rank's report; the lowest reporting rank prints the summary, the others wait for it.
 
         The others exit only after the summary is out (a launcher may kill every rank as soon as one exits), and
-        the summarising rank exits only after they saw it (its process hosts the store when it is rank 0).
+        the summarising rank exits only after they saw it (its process hosts the store when it is rank 0). Each
+        rank's polls read one counter, whatever the world size; only the summarising rank reads every report, in
+        batches.
         """
-        keys = [_REPORT_KEY.format(rank=r) for r in range(self.world_size)]
         try:
-            store.set(keys[self.rank], json.dumps(report))
+            store.set(_REPORT_KEY.format(rank=self.rank), json.dumps(report))
+            store.append(_REPORTED_KEY, f"{self.rank}\n")
+            reported = int(store.add(_REPORTED_COUNT_KEY, 1))
             deadline = time.monotonic() + self.grace_period
-            while not store.check(keys) and time.monotonic() < deadline:
+            while reported < self.world_size and time.monotonic() < deadline:
                 time.sleep(_POLL)
-            present = [r for r in range(self.world_size) if store.check([keys[r]])]
+                reported = int(store.add(_REPORTED_COUNT_KEY, 0))
+            present = sorted({int(line) for line in (get_if_set(store, _REPORTED_KEY) or b"").decode().split()})
         except Exception as err:
             self._print_local(report, reason, err)
             return
@@ -183,7 +191,7 @@ class HangAlarm:
                 while not store.check([_DONE_KEY]) and time.monotonic() < deadline:
                     time.sleep(_POLL)
                 if store.check([_DONE_KEY]):
-                    store.set(_ACK_KEY.format(rank=self.rank), "1")
+                    store.add(_ACK_COUNT_KEY, 1)
                     return
             except Exception as err:  # the summarising rank 0 exited, taking the store with it
                 self.emit(
@@ -192,7 +200,11 @@ class HangAlarm:
                 return
             present = [r for r in present if r >= self.rank]  # it never finished: summarise here instead
         try:
-            reports = {r: json.loads(store.get(keys[r])) for r in present}
+            reports: dict[int, dict[str, Any]] = {}
+            for start in range(0, len(present), _READ_BATCH):
+                chunk = present[start : start + _READ_BATCH]
+                values = store.multi_get([_REPORT_KEY.format(rank=r) for r in chunk])
+                reports.update({r: json.loads(value) for r, value in zip(chunk, values, strict=True)})
             positions = self.control.heartbeat.read_positions(store) if self.control is not None else {}
         except Exception as err:
             self._print_local(report, reason, err)
@@ -205,9 +217,9 @@ class HangAlarm:
             alive = {r for r, p in positions.items() if is_alive(p, time.time(), stale)}
             self._kill_frozen(store, {**{r: {} for r in alive}, **reports})
             store.set(_DONE_KEY, "1")
-            acks = [_ACK_KEY.format(rank=r) for r in present if r != self.rank]
+            others = len([r for r in present if r != self.rank])
             deadline = time.monotonic() + 2.0
-            while acks and not store.check(acks) and time.monotonic() < deadline:
+            while others and int(store.add(_ACK_COUNT_KEY, 0)) < others and time.monotonic() < deadline:
                 time.sleep(_POLL)
         except Exception as err:
             log.debug("HangWatchdog: could not announce the summary (%s)", err)
@@ -219,10 +231,10 @@ class HangAlarm:
         """
         host = socket.gethostname()
         for rank in range(self.world_size):
-            key = PROCESS_KEY.format(rank=rank)
-            if rank in reports or not store.check([key]):
+            value = None if rank in reports else get_if_set(store, PROCESS_KEY.format(rank=rank))
+            if value is None:
                 continue
-            process = json.loads(store.get(key))
+            process = json.loads(value)
             if process.get("host") != host:
                 continue
             try:

@@ -30,8 +30,9 @@ from typing import Any
 from typing_extensions import override
 
 from .._compat.lightning import pl, rank_zero_warn
-from ..control import ControlPlane, Store, to_timedelta
+from ..control import ControlPlane, Store, scaled_interval, to_timedelta
 from ..peers import diagnose_failed_peers
+from ..store import get_if_set
 from .hang_alarm import PROCESS_KEY, TRIGGER_KEY, HangAlarm
 from .hang_progress import ProgressHooks
 from .hang_report import locate as locate  # re-exported (they were defined here)
@@ -197,6 +198,8 @@ class HangWatchdog(ProgressHooks):
     # ------------------------------------------------------------------ the watchdog thread
     def _watch(self) -> None:
         stop, store = self._stop, self._store
+        # the look at the store for another rank's alarm: one read, paced like the heartbeat beyond 512 ranks
+        look_every, next_look = scaled_interval(self.poll_interval, self._world_size), 0.0
         while not stop.wait(self.poll_interval):
             idle = time.monotonic() - self._progress_at
             if idle > self.timeout:
@@ -208,15 +211,15 @@ class HangWatchdog(ProgressHooks):
                     return
                 self._fire(reason, raise_alarm=True)
                 return
-            if store is None:
+            if store is None or time.monotonic() < next_look:
                 continue
+            next_look = time.monotonic() + look_every
             try:
-                alarm = store.check([TRIGGER_KEY])
-                reason = store.get(TRIGGER_KEY).decode() if alarm else ""
+                alarm = get_if_set(store, TRIGGER_KEY)
             except Exception:  # the store is gone (rank 0 exited or died): only this rank's own progress counts now
                 continue
-            if alarm and not stop.is_set():
-                self._fire(reason, raise_alarm=False)
+            if alarm is not None and not stop.is_set():
+                self._fire(alarm.decode(), raise_alarm=False)
                 return
 
     def _fire(self, reason: str, *, raise_alarm: bool) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import socket
-import statistics
 import time
 from array import array
 from pathlib import Path
@@ -16,18 +14,11 @@ from typing_extensions import override
 
 from .._compat.lightning import Callback, pl, rank_zero_warn
 from ..control import ControlPlane
+from .straggler_report import PHASES, slow_rank_warning, slow_ranks, summarize, window_metrics, write_csv, write_png
 
 __all__ = ["PHASES", "StragglerMonitor"]
 
 log = logging.getLogger(__name__)
-
-#: The phases of one training batch, in order; their sum is the batch's wall-clock time.
-PHASES = ("data", "forward", "backward", "other")
-_PER_RANK_METRICS_UP_TO = 16  # world sizes above this log only the summary metrics
-
-
-def _median(values: Any) -> float:
-    return float(statistics.median(values)) if len(values) else 0.0
 
 
 class StragglerMonitor(Callback):
@@ -190,17 +181,7 @@ class StragglerMonitor(Callback):
     def _take_window(self) -> dict[str, Any]:
         window = self._window
         self._window = {phase: array("d") for phase in PHASES}
-        n = len(window["data"])
-        medians = {phase: _median(window[phase]) for phase in PHASES}
-        total = [sum(window[p][i] for p in PHASES) for i in range(n)]
-        work = [total[i] - window["backward"][i] for i in range(n)]
-        return {
-            "host": socket.gethostname(),
-            "batches": len(work),
-            "work": _median(work),
-            "total": _median(total),
-            **medians,
-        }
+        return summarize(socket.gethostname(), window)
 
     def _gather(self, trainer: pl.Trainer, obj: Any, name: str) -> list[Any] | None:
         """Gather ``obj`` from every rank onto rank 0 (``None`` elsewhere); only this rank's without a control plane."""
@@ -219,59 +200,21 @@ class StragglerMonitor(Callback):
         gathered = self._gather(trainer, self._take_window(), name=f"straggler:step-{step}")
         if gathered is None:
             return
-        slow = self._slow(gathered)
+        slow = slow_ranks(gathered, self.slow_factor)
         for rank in range(len(gathered)):
             self._strikes[rank] = self._strikes.get(rank, 0) + 1 if rank in slow else 0
             if self._strikes[rank] >= self.patience and rank not in self.slow_ranks:
                 self._warn(rank, gathered, f"in {self.patience} consecutive windows of {self.every_n_steps} steps")
         self._log(trainer, gathered, slow, step)
 
-    def _ratios(self, stats: list[dict[str, Any]]) -> list[float]:
-        """Each rank's work time over the median work time of the other ranks."""
-        ratios = []
-        for rank, mine in enumerate(stats):
-            others = _median([s["work"] for r, s in enumerate(stats) if r != rank])
-            ratios.append(mine["work"] / others if others > 0 else 1.0)
-        return ratios
-
-    def _slow(self, stats: list[dict[str, Any]]) -> dict[int, float]:
-        if len(stats) < 2:
-            return {}
-        return {rank: ratio for rank, ratio in enumerate(self._ratios(stats)) if ratio > self.slow_factor}
-
     def _warn(self, rank: int, stats: list[dict[str, Any]], when: str) -> None:
         self.slow_ranks.append(rank)
-        mine = stats[rank]
-        others = [s for r, s in enumerate(stats) if r != rank]
-        work = _median([s["work"] for s in others])
-        backward = _median([s["backward"] for s in others])
-        rank_zero_warn(
-            f"StragglerMonitor: rank {rank} (host {mine['host']}) is persistently slower than the others {when}: "
-            f"its median time per batch outside the gradient sync (data + forward + optimizer) is "
-            f"{mine['work']:.4f} s, {mine['work'] / work if work > 0 else float('inf'):.1f}x the other ranks' "
-            f"median ({work:.4f} s; slow_factor={self.slow_factor:g}), and they wait for it in backward "
-            f"(DDP's gradient all-reduce: {backward:.4f} s against {mine['backward']:.4f} s on rank {rank}). "
-            f"Its data wait is {mine['data']:.4f} s and its forward {mine['forward']:.4f} s: look at rank {rank}'s "
-            "data loading, device or host load."
-        )
+        rank_zero_warn(slow_rank_warning(rank, stats, when, self.slow_factor))
 
     def _log(self, trainer: pl.Trainer, stats: list[dict[str, Any]], slow: dict[int, float], step: int) -> None:
         if not trainer.loggers:
             return
-        ratios = self._ratios(stats) if len(stats) > 1 else [1.0]
-        slowest = max(range(len(stats)), key=lambda r: ratios[r])
-        metrics: dict[str, float] = {
-            "straggler/median_batch_s": _median([s["total"] for s in stats]),
-            "straggler/median_work_s": _median([s["work"] for s in stats]),
-            "straggler/slowest_rank": float(slowest),
-            "straggler/slowest_ratio": ratios[slowest],
-            "straggler/slow_ranks": float(len(slow)),
-        }
-        if len(stats) <= _PER_RANK_METRICS_UP_TO:
-            for rank, s in enumerate(stats):
-                metrics[f"straggler/rank{rank}_work_s"] = s["work"]
-                metrics[f"straggler/rank{rank}_data_s"] = s["data"]
-                metrics[f"straggler/rank{rank}_backward_s"] = s["backward"]
+        metrics = window_metrics(stats, slow)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
@@ -284,98 +227,10 @@ class StragglerMonitor(Callback):
             return
         folder = self.output_dir if self.output_dir is not None else Path(trainer.default_root_dir) / "straggler"
         folder.mkdir(parents=True, exist_ok=True)
-        overall = [self._overall(g) for g in gathered]
-        for rank in self._slow(overall):
+        overall = [summarize(g["host"], g) for g in gathered]
+        for rank in slow_ranks(overall, self.slow_factor):
             if rank not in self.slow_ranks:
                 self._warn(rank, overall, f"over the whole run ({overall[rank]['batches']} batches)")
-        self.csv_path = self._write_csv(folder / "step_times.csv", gathered)
+        self.csv_path = write_csv(folder / "step_times.csv", gathered)
         if self.plot:
-            self.png_path = self._write_png(folder / "step_times.png", gathered, overall)
-
-    @staticmethod
-    def _overall(record: dict[str, Any]) -> dict[str, Any]:
-        n = len(record["step"])
-        total = [sum(record[p][i] for p in PHASES) for i in range(n)]
-        work = [total[i] - record["backward"][i] for i in range(n)]
-        return {
-            "host": record["host"],
-            "batches": n,
-            "work": _median(work),
-            "total": _median(total),
-            **{p: _median(record[p]) for p in PHASES},
-        }
-
-    @staticmethod
-    def _write_csv(path: Path, gathered: list[dict[str, Any]]) -> Path:
-        with open(path, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["rank", "host", "batch", "global_step", *(f"{p}_s" for p in PHASES), "total_s", "work_s"])
-            for rank, record in enumerate(gathered):
-                for i, (batch, step) in enumerate(zip(record["batch"], record["step"], strict=True)):
-                    values = [record[p][i] for p in PHASES]
-                    total = sum(values)
-                    row = [rank, record["host"], batch, step, *(f"{v:.6f}" for v in values)]
-                    writer.writerow([*row, f"{total:.6f}", f"{total - record['backward'][i]:.6f}"])
-        return path
-
-    def _write_png(self, path: Path, gathered: list[dict[str, Any]], overall: list[dict[str, Any]]) -> Path | None:
-        try:
-            from matplotlib.figure import Figure
-        except ImportError:
-            rank_zero_warn(
-                "StragglerMonitor: matplotlib is not installed, so no plot was written (the CSV was). "
-                "Install the `plots` extra: pip install 'ddp_strategy[plots]'."
-            )
-            return None
-        world = len(gathered)
-        ranks = list(range(world))
-        slow = set(self.slow_ranks)
-        fig = Figure(figsize=(min(24.0, max(9.0, 3.0 + 0.6 * world)), 4.8), layout="constrained")
-        every = max(1, world // 32)  # tick labels for at most ~32 ranks per panel
-        left, right = fig.subplots(1, 2)
-        work = [
-            [1000 * (sum(record[p][i] for p in PHASES) - record["backward"][i]) for i in range(len(record["step"]))]
-            for record in gathered
-        ]
-        boxes = left.boxplot(work, positions=ranks, widths=0.6, patch_artist=True, showfliers=True)
-        for rank, box in enumerate(boxes["boxes"]):
-            box.set_facecolor("tab:red" if rank in slow else "tab:blue")
-            box.set_alpha(0.7)
-        median_work = 1000 * _median([o["work"] for o in overall])
-        left.axhline(
-            median_work, color="grey", linestyle="--", linewidth=1, label=f"median of ranks {median_work:.1f} ms"
-        )
-        shown = [r for r in ranks if r % every == 0 or r in slow]
-        left.set_xticks(
-            shown, [f"rank {r}" + (" (slow)" if r in slow else "") for r in shown], rotation=90 * (every > 1)
-        )
-        left.set_ylabel("ms per batch")
-        left.set_title("Work per batch (data + forward + optimizer),\nexcluding the gradient-sync wait")
-        left.legend(loc="upper left")
-        bottom = [0.0] * world
-        colours = {"data": "tab:orange", "forward": "tab:red", "backward": "tab:green", "other": "tab:purple"}
-        labels = {
-            "data": "data wait",
-            "forward": "forward (training_step)",
-            "backward": "backward + DDP sync wait",
-            "other": "optimizer + hooks",
-        }
-        for phase in PHASES:
-            heights = [1000 * o[phase] for o in overall]
-            right.bar(ranks, heights, bottom=bottom, color=colours[phase], label=labels[phase], width=0.6)
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        right.set_xticks(shown, [f"rank {r}" for r in shown], rotation=90 * (every > 1))
-        right.set_ylim(0, 1.4 * max(bottom) if max(bottom) > 0 else 1.0)  # room for the legend
-        right.set_ylabel("median ms per batch")
-        right.set_title("Where each rank's batch time goes (medians)")
-        right.legend(loc="upper left", fontsize="small")
-        batches = sum(o["batches"] for o in overall)
-        if slow:
-            ratios = self._ratios(overall)
-            named = ", ".join(f"rank {r} ({ratios[r]:.1f}x the others' work)" for r in sorted(slow))
-            title = f"StragglerMonitor: SLOW {named}"
-        else:
-            title = "StragglerMonitor: no persistently slow rank"
-        fig.suptitle(f"{title}; {world} ranks, {batches} batches", color="tab:red" if slow else "black")
-        fig.savefig(path, dpi=100)
-        return path
+            self.png_path = write_png(folder / "step_times.png", gathered, overall, self.slow_ranks)

@@ -39,6 +39,7 @@ SHARED_MODULES = frozenset(
         "consistency",
         "fork_safety",
         "control",
+        "control_agreement",
         "agreement",
         "barrier_wait",
         "heartbeat",

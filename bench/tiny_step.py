@@ -1,0 +1,637 @@
+"""Tiny-model step: a raw DDP loop, stock ``DDPStrategy`` and ``SafeDDPStrategy()`` side by side (issue 30, point 3).
+
+    python bench/tiny_step.py              # full run: JSON + Markdown in bench/results/tiny_step.{json,md}
+    python bench/tiny_step.py --quick      # smoke run (2 rounds, shorter fits): bench/results/tiny_step-quick.*
+    python bench/tiny_step.py --report bench/results/tiny_step.json    # redo the analysis and Markdown of a JSON
+
+On a tiny model the step is almost all framework: that is how a fast GPU step looks to the CPU, and where a
+strategy's per-step Python work shows. The model is a 2-layer MLP (32 -> 64 -> 10, cross-entropy, SGD) on small
+random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
+
+* ``raw``: a plain PyTorch loop (``DistributedDataParallel``, ``DistributedSampler``, no Lightning);
+* ``stock``: Lightning's ``DDPStrategy()``;
+* ``safe``: ``SafeDDPStrategy()`` at its defaults;
+
+each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
+training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
+
+How it is run: every fit has its own pair of processes, started by ``torchrun --standalone`` (2 ranks, one thread
+each, rank r pinned to core r as in ``bench/suite.py``; ``--no-pin`` leaves placement to the scheduler), so each
+strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's
+Flight Recorder on for it; in a shared process every later fit would inherit that, or ``safe`` would lose it). A
+*round* starts, per logging mode (modes in alternating order), the three variants' jobs at once; once every rank is
+at its first step, a baton (keys in a ``TCPStore`` this script hosts) lets one job at a time train a *chunk* of
+steps while the other two wait at a step boundary, in a new seeded order at every pass: an untimed warm-up chunk,
+then ``chunks`` timed chunks of ``chunk`` steps each. So the three fits of a round are measured in alternating
+slices a fraction of a second long, and see the same machine load, which on a shared machine changes from second
+to second; the process launches, imports and set-ups are never inside a measurement. ``--rounds`` rounds (default
+10), each with fresh processes.
+
+What is measured, per rank: at the start of every training step (after its batch is fetched; a callback's
+``on_train_batch_start``, or the top of the raw loop) the wall clock, the training thread's CPU time
+(``time.thread_time``) and the process's (``time.process_time``: gloo's and the strategy's threads too). A step's
+time is the interval to the start of the next step: data fetch, forward, backward with the gradient all-reduce,
+optimizer step, every hook. The first step of each chunk (the two ranks resuming together, caches refilling) is not
+timed. Per fit: the mean over its timed steps (total / steps), the median step, CPU and process CPU per step.
+
+Report: per (mode, variant) the median over rounds [min, max] of rank 0's figures (and rank 1's mean); per mode the
+ratios safe/stock, stock/raw and safe/raw as the ratio of the medians and the per-round (paired) ratios' median
+[min, max]; and the target safe/stock <= 1.02 per mode, judged on the mean step's ratio of medians and separately
+on CPU. The exit code is 0 whatever the result (a measurement, not a gate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+IMPORT_START = time.time()
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from suite import job_processes, metadata, tail  # noqa: E402  (bench/suite.py: the same process handling)
+
+VARIANTS = ("raw", "stock", "safe")
+MODES = ("nolog", "sync_dist")
+LABELS = {"raw": "raw PyTorch DDP loop", "stock": "Lightning DDPStrategy()", "safe": "SafeDDPStrategy()"}
+RATIOS = (("safe", "stock"), ("stock", "raw"), ("safe", "raw"))
+TARGET = ("safe", "stock", 1.02)  # issue 30, point 3: safe / stock at most 1.02 in both modes
+WORLD_SIZE = 2
+SHAPE = (32, 64, 10)  # inputs, hidden units, classes
+FIGURES = ("step_mean_s", "step_median_s", "cpu_step_s", "process_cpu_step_s")
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+def config_for(quick: bool, rounds: int | None) -> dict[str, Any]:
+    if quick:
+        return {"rounds": rounds or 2, "warmup": 20, "chunks": 9, "chunk": 10, "batch_size": 32, "seed": 1234}
+    return {"rounds": rounds or 10, "warmup": 30, "chunks": 27, "chunk": 10, "batch_size": 32, "seed": 1234}
+
+
+def total_steps(config: dict[str, Any]) -> int:
+    """Warm-up, the timed chunks, and one more step whose start closes the last timed step."""
+    return int(config["warmup"] + config["chunks"] * config["chunk"] + 1)
+
+
+def chunk_starts(config: dict[str, Any]) -> list[int]:
+    """The step index at which each chunk starts: 0 (warm-up), the timed chunks, and the closing step."""
+    return [0] + [config["warmup"] + c * config["chunk"] for c in range(config["chunks"] + 1)]
+
+
+def is_timed(step: int, config: dict[str, Any]) -> bool:
+    """Steps of the timed chunks except the first of each (its ranks resume from the baton)."""
+    offset = step - config["warmup"]
+    return 0 <= offset < config["chunks"] * config["chunk"] and offset % config["chunk"] != 0
+
+
+def groups(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per round, one group per logging mode (modes alternate); each group's pass orders, seeded."""
+    out = []
+    for r in range(config["rounds"]):
+        for mode in MODES if r % 2 == 0 else tuple(reversed(MODES)):
+            rng = random.Random(f"{config['seed']}/{r}/{mode}")
+            orders = [rng.sample(VARIANTS, len(VARIANTS)) for _ in range(config["chunks"] + 2)]
+            out.append({"round": r, "mode": mode, "orders": orders})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- the baton
+def key(prefix: str, *parts: object) -> str:
+    return "/".join([prefix, *map(str, parts)])
+
+
+class Runner:
+    """Hosts the baton's store; starts a group's jobs and hands the chunks out."""
+
+    def __init__(self, config: dict[str, Any], tmp: Path, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.config, self.tmp, self.timeout = config, tmp, timeout
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+        self.address = f"127.0.0.1:{self.store.port}"
+
+    def launch(self, prefix: str, variant: str, mode: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        config = self.config
+        out, log = self.tmp / f"{prefix.replace('/', '-')}", self.tmp / f"{prefix.replace('/', '-')}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}"]
+        cmd += [str(Path(__file__).resolve()), "--worker", "--variant", variant, "--mode", mode]
+        cmd += ["--baton", self.address, "--prefix", prefix, "--out", str(out)]
+        cmd += ["--worker-config", json.dumps(config)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env["PYTHONWARNINGS"] = "ignore"
+        for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+            env.pop(name, None)  # never inherit a rank from an outer launcher
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return proc, out, log
+
+    def wait_keys(self, keys: list[str], jobs: dict[str, Any], deadline: float) -> None:
+        """Until every key is set; fails when a job exited or the deadline passed."""
+        while not self.store.check(keys):
+            for variant, (proc, _, log) in jobs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{variant} exited with code {proc.returncode}; log: {log}\n{tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {keys}")
+            time.sleep(0.2)
+
+    def wait_ranks(self, prefix: str, what: str, jobs: dict[str, Any]) -> None:
+        """Until both ranks of a job set ``what`` (the store wakes this up at once; a chunk takes milliseconds)."""
+        keys = [key(prefix, what, r) for r in range(WORLD_SIZE)]
+        try:
+            self.store.wait(keys, timedelta(seconds=10))
+        except RuntimeError:  # slow, or a job failed: poll, and name the job that exited
+            self.wait_keys(keys, jobs, time.monotonic() + self.timeout)
+
+    def run_group(self, group: dict[str, Any], log: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Start the group's three jobs, hand out the chunks; return the group's record and each fit's ranks."""
+        r, mode = group["round"], group["mode"]
+        prefixes = {v: f"r{r}/{mode}/{v}" for v in VARIANTS}
+        started = time.monotonic()
+        jobs: dict[str, Any] = {}
+        try:
+            for v in VARIANTS:
+                jobs[v] = self.launch(prefixes[v], v, mode)
+            ready = [key(p, "ready", rank) for p in prefixes.values() for rank in range(WORLD_SIZE)]
+            self.wait_keys(ready, jobs, started + self.timeout)  # every rank at its first step: start-up is over
+            ready_seconds = time.monotonic() - started
+            log(f"round {r} {mode}: every rank at its first step after {ready_seconds:.1f} s")
+            loads = [os.getloadavg()[0]]
+            timed_start = time.monotonic()
+            for c, order in enumerate(group["orders"]):  # warm-up, timed chunks, the closing step (then the fit ends)
+                for v in order:
+                    self.store.set(key(prefixes[v], "go", c), "1")
+                    last = c == len(group["orders"]) - 1
+                    self.wait_ranks(prefixes[v], "finished" if last else f"done/{c}", jobs)
+            chunks_seconds = time.monotonic() - timed_start
+            loads.append(os.getloadavg()[0])
+            for v, (proc, _, log_path) in jobs.items():
+                try:
+                    proc.wait(timeout=self.timeout)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{v} did not exit; log: {log_path}\n{tail(log_path)}") from None
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{v} failed with code {proc.returncode}; log: {log_path}\n{tail(log_path)}")
+        finally:
+            for proc, out, _ in jobs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                for pid in job_processes(out):  # torchrun's workers, by the job's unique --out path
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        record = {
+            **group,
+            "ready_seconds": ready_seconds,
+            "chunks_seconds": chunks_seconds,
+            "group_seconds": time.monotonic() - started,
+            "loadavg": loads,
+        }
+        fits = []
+        for v in VARIANTS:
+            ranks = [json.loads(Path(f"{jobs[v][1]}.rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+            fits.append({"round": r, "mode": mode, "variant": v, "ranks": ranks})
+        return record, fits
+
+
+class Baton:
+    """A rank's side of the baton: at a chunk's start, report the last chunk done (or ready), then wait for the go."""
+
+    def __init__(self, address: str, prefix: str, rank: int) -> None:
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), None, False, timedelta(minutes=15))
+        self.prefix, self.rank = prefix, rank
+
+    def turn(self, chunk: int) -> None:
+        self.store.set(key(self.prefix, "ready" if chunk == 0 else f"done/{chunk - 1}", self.rank), "1")
+        self.store.wait([key(self.prefix, "go", chunk)])
+
+    def finished(self) -> None:
+        self.store.set(key(self.prefix, "finished", self.rank), "1")
+
+
+# ---------------------------------------------------------------------------------------------------- one rank
+def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, Any]) -> dict[str, Any]:
+    """A fit's figures from its steps' (index, wall, thread CPU, process CPU) intervals: the timed steps only."""
+    timed = [s for s in steps if is_timed(s[0], config)]
+    expected = config["chunks"] * (config["chunk"] - 1)
+    if len(timed) != expected:
+        raise RuntimeError(f"{len(timed)} timed steps, expected {expected}")
+    walls = [s[1] for s in timed]
+    per_chunk = config["chunk"] - 1
+    return {
+        "timed_steps": len(timed),
+        "step_mean_s": sum(walls) / len(timed),
+        "step_median_s": float(statistics.median(walls)),
+        "step_max_s": max(walls),
+        "cpu_step_s": sum(s[2] for s in timed) / len(timed),
+        "process_cpu_step_s": sum(s[3] for s in timed) / len(timed),
+        "chunk_means_us": [
+            round(statistics.fmean(walls[i : i + per_chunk]) * 1e6) for i in range(0, len(walls), per_chunk)
+        ],
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one fit (under torchrun): train in the baton's chunks; write this rank's ``OUT.rank<R>.json``."""
+    config = json.loads(args.worker_config)
+    if config.get("pin_cores", True) and hasattr(os, "sched_setaffinity"):
+        # One core per rank (as bench/suite.py does), before any thread starts (they inherit the mask): left to the
+        # scheduler of a loaded machine, both ranks of a job sometimes share a core and the whole fit runs slower.
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
+    import threading
+
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch import Tensor, nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from ddp_strategy import SafeDDPStrategy
+
+    imported = time.time()
+    variant, sync = args.variant, args.mode == "sync_dist"
+    rank = int(os.environ["RANK"])
+    baton = Baton(args.baton, args.prefix, rank)
+    chunk_at = {step: c for c, step in enumerate(chunk_starts(config))}
+    steps = total_steps(config)
+
+    class Clock:
+        """At every step's start: close the previous step's interval; at a chunk's start, take the baton first."""
+
+        def __init__(self) -> None:
+            self.index = 0
+            self.previous: tuple[float, float, float] | None = None
+            self.steps: list[tuple[int, float, float, float]] = []
+            self.threads_in_window: int | None = None
+            self.fit_to_first_step: float | None = None
+
+        def step_start(self) -> None:
+            now = (time.perf_counter(), time.thread_time(), time.process_time())
+            if self.previous is None:
+                self.fit_to_first_step = now[0] - fit_start
+            else:
+                self.steps.append((self.index - 1, *(a - b for a, b in zip(now, self.previous, strict=True))))
+            if self.index in chunk_at:
+                baton.turn(chunk_at[self.index])
+                now = (time.perf_counter(), time.thread_time(), time.process_time())
+            if self.index == config["warmup"]:
+                self.threads_in_window = threading.active_count()
+            self.previous = now
+            self.index += 1
+
+    clock = Clock()
+
+    def network() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(SHAPE[0], SHAPE[1]), nn.ReLU(), nn.Linear(SHAPE[1], SHAPE[2]))
+
+    class TinyModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = network()
+
+        def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            if sync:
+                self.log("loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class StepClock(Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            clock.step_start()
+
+    generator = torch.Generator().manual_seed(config["seed"])
+    samples = steps * config["batch_size"] * WORLD_SIZE  # one epoch holds every step: no epoch end in between
+    dataset = TensorDataset(
+        torch.randn(samples, SHAPE[0], generator=generator), torch.randint(0, SHAPE[2], (samples,), generator=generator)
+    )
+    fit_start = time.perf_counter()
+    handshake = None
+    if variant == "raw":
+        dist.init_process_group("gloo")
+        world = dist.get_world_size()
+        torch.manual_seed(config["seed"])
+        model = network()
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=config["seed"])
+        loader = DataLoader(dataset, batch_size=config["batch_size"], sampler=sampler)
+        model.train()
+        for done, (x, y) in enumerate(loader, start=1):
+            clock.step_start()
+            loss = F.cross_entropy(ddp(x), y)
+            if sync:  # Lightning's _sync_ddp for a step-level sync_dist log: barrier, all-reduce (sum), mean
+                value = loss.detach().clone()
+                dist.barrier()
+                dist.all_reduce(value)
+                value /= world
+            optimizer.zero_grad(set_to_none=True)  # Lightning's order: forward, zero_grad, backward, step
+            loss.backward()
+            optimizer.step()
+            if done >= steps:
+                break
+    else:
+        pl.seed_everything(config["seed"], verbose=False)
+        strategy: DDPStrategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD_SIZE,
+            strategy=strategy,
+            max_steps=steps,
+            max_epochs=1,
+            callbacks=[StepClock()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=f"{args.out}-root",  # in the runner's temporary directory
+        )
+        trainer.fit(TinyModule(), DataLoader(dataset, batch_size=config["batch_size"], shuffle=True))
+        handshake = getattr(trainer.strategy, "last_handshake_seconds", None)
+    payload = {
+        "rank": rank,
+        "variant": variant,
+        "mode": args.mode,
+        "threads_per_rank": torch.get_num_threads(),
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "import_seconds": imported - IMPORT_START,
+        "fit_to_first_step_s": clock.fit_to_first_step,
+        "handshake_s": handshake,
+        "threads_in_window": clock.threads_in_window,
+        "threads_after_fit": threading.active_count(),
+        **fit_figures(clock.steps, config),
+    }
+    out = Path(f"{args.out}.rank{rank}.json")
+    out.with_suffix(".tmp").write_text(json.dumps(payload))
+    out.with_suffix(".tmp").replace(out)
+    if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the process
+        dist.barrier()
+        dist.destroy_process_group()
+    baton.finished()
+
+
+# ---------------------------------------------------------------------------------------------------- analysis
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": float(statistics.median(values)), "min": min(values), "max": max(values)}
+
+
+def cells(fits: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Per (mode, variant): one record per round with rank 0's figures (``rank1_step_mean_s``: rank 1's mean)."""
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for fit in fits:
+        rank0, rank1 = fit["ranks"][0], fit["ranks"][1]
+        record = {"round": fit["round"], **{k: rank0[k] for k in FIGURES}, "rank1_step_mean_s": rank1["step_mean_s"]}
+        out.setdefault((fit["mode"], fit["variant"]), []).append(record)
+    return out
+
+
+def summary(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for mode in MODES:
+        for variant in VARIANTS:
+            records = by_cell.get((mode, variant))
+            if not records:
+                continue
+            row: dict[str, Any] = {"mode": mode, "variant": variant, "rounds": len(records)}
+            for name in (*FIGURES, "rank1_step_mean_s"):
+                row[name] = spread([r[name] for r in records])
+            rows.append(row)
+    return rows
+
+
+def ratio(num: list[dict[str, Any]], den: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Ratio of the medians over rounds; the per-round (paired) ratios' and differences' median [min, max]."""
+    of_medians = statistics.median(r[name] for r in num) / statistics.median(r[name] for r in den)
+    by_round = {r["round"]: r[name] for r in den}
+    pairs = [(r[name], by_round[r["round"]]) for r in num if r["round"] in by_round]
+    return {
+        "of_medians": of_medians,
+        "paired": spread([a / b for a, b in pairs]) if pairs else None,
+        "paired_difference_s": spread([a - b for a, b in pairs]) if pairs else None,
+    }
+
+
+def ratios(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for mode in MODES:
+        for a, b in RATIOS:
+            num, den = by_cell.get((mode, a)), by_cell.get((mode, b))
+            if not num or not den:
+                continue
+            row: dict[str, Any] = {"mode": mode, "ratio": f"{a} / {b}"}
+            for name in (*FIGURES, "rank1_step_mean_s"):
+                row[name] = ratio(num, den, name)
+            out.append(row)
+    return out
+
+
+def targets(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``safe / stock <= 1.02`` per mode: on the mean step's ratio of medians (the target), and on thread CPU."""
+    a, b, limit = TARGET
+    out = []
+    for row in ratio_rows:
+        if row["ratio"] != f"{a} / {b}":
+            continue
+        wall, cpu = row["step_mean_s"], row["cpu_step_s"]
+        out.append(
+            {
+                "mode": row["mode"],
+                "target": f"{a} / {b} <= {limit:.2f}",
+                "limit": limit,
+                "wall": wall["of_medians"],
+                "wall_paired": wall["paired"],
+                "wall_added_s": wall["paired_difference_s"],
+                "cpu_added_s": cpu["paired_difference_s"],
+                "median_step": row["step_median_s"]["of_medians"],
+                "cpu": cpu["of_medians"],
+                "process_cpu": row["process_cpu_step_s"]["of_medians"],
+                "met": wall["of_medians"] <= limit,
+                "met_by_cpu": cpu["of_medians"] <= limit,
+            }
+        )
+    return out
+
+
+def analyse(result: dict[str, Any]) -> dict[str, Any]:
+    by_cell = cells(result["fits"])
+    ratio_rows = ratios(by_cell)
+    return {"rows": summary(by_cell), "ratios": ratio_rows, "targets": targets(ratio_rows)}
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def us(value: float) -> str:
+    return f"{value * 1e6:.0f}"
+
+
+def us_spread(s: dict[str, float]) -> str:
+    return f"{us(s['median'])} [{us(s['min'])}, {us(s['max'])}]"
+
+
+def paired_text(p: dict[str, float] | None) -> str:
+    return f"{p['median']:.3f} [{p['min']:.3f}, {p['max']:.3f}]" if p else "-"
+
+
+def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
+    meta, config = result["meta"], result["config"]
+    ready = statistics.median(g["ready_seconds"] for g in result["groups"])
+    chunks = statistics.median(g["chunks_seconds"] for g in result["groups"])
+    loads = [load for g in result["groups"] for load in g["loadavg"]]
+    timed = config["chunks"] * (config["chunk"] - 1)
+    pinning = "rank r pinned to core r" if config.get("pin_cores", True) else "not pinned"
+    lines = [
+        f"Measured {meta['date']} ({result['mode']} mode, {meta['wall_seconds']:.0f} s) on {meta['machine']}; "
+        f"Python {meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy "
+        f"{meta['ddp_strategy']} ({meta['git']}); 1-minute load average {meta['loadavg_start'][0]:.2f} at the start, "
+        f"{meta['loadavg_end'][0]:.2f} at the end, {min(loads):.2f} to {max(loads):.2f} (median "
+        f"{statistics.median(loads):.2f}) at the start and end of the groups' timed chunks.",
+        "",
+        f"{config['rounds']} rounds; per round and logging mode the three variants' `torchrun` jobs (2 ranks each, "
+        f"gloo, CPU, one thread per rank, {pinning}) start together (median {ready:.1f} s until every rank is at "
+        f"its first step, untimed), then take turns: a warm-up chunk of {config['warmup']} steps, "
+        f"{config['chunks']} timed chunks of {config['chunk']} steps (the first step of each untimed: {timed} timed "
+        f"steps per fit) and the closing step, in a new order at every pass (median {chunks:.1f} s per group). "
+        f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}.",
+        "",
+        "Per fit, rank 0: *mean* = time of the timed steps / their number, *median* = median step (a step's start "
+        "to the next step's start), *CPU* = training thread CPU time per step, *process CPU* = all threads of the "
+        "process per step; *rank 1 mean* = rank 1's mean. Cells: median over rounds [min, max], in microseconds.",
+        "",
+        "| mode | variant | mean (us) | median (us) | CPU (us) | process CPU (us) | rank 1 mean (us) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in analysis["rows"]:
+        lines.append(
+            f"| {row['mode']} | {LABELS[row['variant']]} | {us_spread(row['step_mean_s'])} | "
+            f"{us_spread(row['step_median_s'])} | {us_spread(row['cpu_step_s'])} | "
+            f"{us_spread(row['process_cpu_step_s'])} | {us(row['rank1_step_mean_s']['median'])} |"
+        )
+    lines += [
+        "",
+        "Ratios: *of medians* = median over rounds of one variant / the other's; *paired* = median [min, max] of "
+        "the per-round ratios (fits of the same round, measured in alternating chunks).",
+        "",
+        "| mode | ratio | mean: of medians | mean: paired | median step: of medians | median step: paired "
+        "| CPU: of medians | CPU: paired | process CPU | rank 1 mean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in analysis["ratios"]:
+        cols = [f"{r[n]['of_medians']:.3f} | {paired_text(r[n]['paired'])}" for n in FIGURES[:3]]
+        lines.append(
+            f"| {r['mode']} | {r['ratio']} | {' | '.join(cols)} | {r['process_cpu_step_s']['of_medians']:.3f} | "
+            f"{r['rank1_step_mean_s']['of_medians']:.3f} |"
+        )
+    lines += [
+        "",
+        "Target (issue 30, point 3), judged on the mean step's ratio of medians; *by CPU*: the same on the "
+        "training thread's CPU time; *added per step*: safe's figure minus stock's in the same round, median [min, "
+        "max]:",
+        "",
+        "| mode | target | mean | mean: paired | median step | CPU | process CPU | result | by CPU "
+        "| added per step, paired (us): mean | CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in analysis["targets"]:
+        lines.append(
+            f"| {t['mode']} | {t['target']} | {t['wall']:.3f} | {paired_text(t['wall_paired'])} | "
+            f"{t['median_step']:.3f} | {t['cpu']:.3f} | {t['process_cpu']:.3f} | "
+            f"{'met' if t['met'] else '**missed**'} | {'met' if t['met_by_cpu'] else '**missed**'} | "
+            f"{us_spread(t['wall_added_s'])} | {us_spread(t['cpu_added_s'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of shorter fits")
+    parser.add_argument("--rounds", type=int, help="rounds (default 10, quick 2)")
+    parser.add_argument("--out", type=Path, help="results path, no suffix (default bench/results/tiny_step[-quick])")
+    parser.add_argument("--chunks", type=int, help="timed chunks per fit (default 27, quick 9)")
+    parser.add_argument("--chunk", type=int, help="steps per chunk, the first untimed (default 10)")
+    parser.add_argument("--no-pin", action="store_true", help="leave the ranks' cores to the scheduler")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
+    parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
+    worker_args = parser.add_argument_group("worker (one rank of one fit, started by torchrun)")
+    worker_args.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    worker_args.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    worker_args.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    worker_args.add_argument("--baton", help=argparse.SUPPRESS)
+    worker_args.add_argument("--prefix", help=argparse.SUPPRESS)
+    worker_args.add_argument("--worker-config", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.report is not None:
+        result = json.loads(args.report.read_text())
+        result["analysis"] = analyse(result)
+        args.report.write_text(json.dumps(result, indent=1))
+        args.report.with_suffix(".md").write_text(markdown(result, result["analysis"]))
+        return 0
+    config = config_for(args.quick, args.rounds)
+    config.update({name: getattr(args, name) for name in ("chunks", "chunk") if getattr(args, name) is not None})
+    config["pin_cores"] = not args.no_pin
+    out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")
+    started = time.monotonic()
+
+    def log(text: str) -> None:
+        print(f"[{time.monotonic() - started:5.0f} s] {text}", flush=True)
+
+    meta = metadata()
+    records, fits = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-tiny-step-") as tmp:
+        runner = Runner(config, Path(tmp), args.timeout)
+        for group in groups(config):
+            log(f"round {group['round'] + 1}/{config['rounds']}, {group['mode']}: starting raw, stock, safe")
+            record, group_fits = runner.run_group(group, log)
+            records.append(record)
+            fits += group_fits
+    meta["loadavg_end"] = list(os.getloadavg())
+    meta["wall_seconds"] = time.monotonic() - started
+    result: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "meta": meta,
+        "config": {**config, "world_size": WORLD_SIZE, "model": list(SHAPE), "launcher": "torchrun --standalone"},
+        "groups": records,
+        "fits": fits,
+    }
+    analysis = analyse(result)
+    result["analysis"] = analysis
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = markdown(result, analysis)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"Wrote {out}.json, .md in {meta['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The tiny-model step benchmark's harness logic (bench/tiny_step.py): the plan of chunks, the ratios and the target.
+
+No timing is asserted: the fits' figures are fabricated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = load("bench_tiny_step", BENCH / "tiny_step.py")
+
+
+def test_chunks_cover_the_steps_and_time_all_but_the_first_step_of_each():
+    config = tiny.config_for(quick=False, rounds=None)
+    assert config["rounds"] >= 10
+    steps = tiny.total_steps(config)
+    starts = tiny.chunk_starts(config)
+    assert starts[0] == 0 and starts[1] == config["warmup"] and starts[-1] == steps - 1  # the closing step
+    assert len(starts) == config["chunks"] + 2
+    timed = [s for s in range(steps) if tiny.is_timed(s, config)]
+    assert len(timed) == config["chunks"] * (config["chunk"] - 1)
+    assert not set(timed) & set(starts)  # a chunk's first step (the ranks resuming) is never timed
+    assert min(timed) == config["warmup"] + 1 and max(timed) == steps - 2
+
+
+def test_groups_alternate_the_modes_and_shuffle_every_pass_seeded():
+    config = tiny.config_for(quick=False, rounds=None)
+    groups = tiny.groups(config)
+    assert len(groups) == 2 * config["rounds"]
+    assert [g["mode"] for g in groups[:4]] == ["nolog", "sync_dist", "sync_dist", "nolog"]
+    for group in groups:
+        assert len(group["orders"]) == config["chunks"] + 2  # warm-up, timed chunks, closing step
+        assert all(sorted(order) == sorted(tiny.VARIANTS) for order in group["orders"])
+        assert len({tuple(order) for order in group["orders"]}) > 1
+    assert groups == tiny.groups(config)  # the same seed, the same orders
+
+
+def test_fit_figures_use_the_timed_steps_only():
+    config = {"warmup": 2, "chunks": 2, "chunk": 3}
+    # (index, wall, thread CPU, process CPU); steps 0-1 warm-up, 2-4 and 5-7 the chunks, 2 and 5 untimed
+    steps = [(i, 1.0, 1.0, 1.0) for i in (0, 1, 2, 5)]
+    steps += [(3, 0.002, 0.001, 0.0015), (4, 0.004, 0.001, 0.0025), (6, 0.003, 0.002, 0.002), (7, 0.011, 0.004, 0.01)]
+    figures = tiny.fit_figures(sorted(steps), config)
+    assert figures["timed_steps"] == 4
+    assert figures["step_mean_s"] == pytest.approx(0.005)
+    assert figures["step_median_s"] == pytest.approx(0.0035)
+    assert figures["cpu_step_s"] == pytest.approx(0.002)
+    assert figures["process_cpu_step_s"] == pytest.approx(0.004)
+    with pytest.raises(RuntimeError, match="timed steps"):
+        tiny.fit_figures(steps[:-1], config)
+
+
+def fits(safe: tuple[float, float], rounds: int = 10) -> list[dict[str, Any]]:
+    """Per round and mode: raw 2 ms, stock 5 ms (CPU 1 ms, 2 ms); safe as (wall, CPU) multiples of stock."""
+    out = []
+    for r in range(rounds):
+        load = 1 + 0.1 * (r % 3)  # the load of a round, seen by its three fits alike
+        for mode in tiny.MODES:
+            for variant, wall, cpu in (("raw", 0.002, 0.0005), ("stock", 0.005, 0.001), ("safe", 0.005, 0.001)):
+                if variant == "safe":
+                    wall, cpu = wall * safe[0], cpu * safe[1]
+                rank = {
+                    "step_mean_s": wall * load,
+                    "step_median_s": wall * load * 0.9,
+                    "cpu_step_s": cpu,
+                    "process_cpu_step_s": 2 * cpu,
+                }
+                rank1 = {**rank, "step_mean_s": rank["step_mean_s"] * 1.001}
+                out.append({"round": r, "mode": mode, "variant": variant, "ranks": [rank, rank1]})
+    return out
+
+
+def by(analysis: dict[str, Any], key: str, mode: str, name: str) -> dict[str, Any]:
+    (row,) = [r for r in analysis[key] if r["mode"] == mode and r.get("ratio", r.get("target", "")).startswith(name)]
+    return row
+
+
+def test_ratios_of_medians_and_paired_ratios():
+    analysis = tiny.analyse({"fits": fits(safe=(1.05, 1.10))})
+    row = by(analysis, "ratios", "sync_dist", "safe / stock")
+    assert row["step_mean_s"]["of_medians"] == pytest.approx(1.05)
+    assert row["step_mean_s"]["paired"]["median"] == pytest.approx(1.05)
+    assert row["step_mean_s"]["paired"]["min"] == pytest.approx(1.05)  # the round's load cancels out
+    assert row["cpu_step_s"]["of_medians"] == pytest.approx(1.10)
+    assert row["cpu_step_s"]["paired_difference_s"]["median"] == pytest.approx(0.0001)  # 1.10 x 1 ms - 1 ms
+    assert by(analysis, "ratios", "nolog", "stock / raw")["step_mean_s"]["of_medians"] == pytest.approx(2.5)
+    summary = {(r["mode"], r["variant"]): r for r in analysis["rows"]}
+    assert summary[("nolog", "stock")]["step_mean_s"] == pytest.approx({"median": 0.0055, "min": 0.005, "max": 0.006})
+    assert summary[("nolog", "stock")]["rounds"] == 10
+
+
+def test_target_is_judged_on_wall_and_separately_on_cpu():
+    missed = tiny.analyse({"fits": fits(safe=(1.05, 1.01))})
+    for mode in tiny.MODES:
+        target = by(missed, "targets", mode, "safe / stock")
+        assert target["limit"] == pytest.approx(1.02)
+        assert not target["met"] and target["met_by_cpu"]
+    met = tiny.analyse({"fits": fits(safe=(1.01, 1.03))})
+    target = by(met, "targets", "nolog", "safe / stock")
+    assert target["met"] and not target["met_by_cpu"]
+
+
+def test_report_renders_the_tables():
+    result = {
+        "mode": "quick",
+        "meta": {
+            "date": "2026-01-01 00:00",
+            "wall_seconds": 100.0,
+            "machine": "test machine",
+            "python": "3.11",
+            "torch": "2",
+            "lightning": "2.6.6",
+            "ddp_strategy": "0.1.0",
+            "git": "commit abc",
+            "loadavg_start": [1.0, 1.0, 1.0],
+            "loadavg_end": [2.0, 2.0, 2.0],
+        },
+        "config": {"rounds": 10, "warmup": 30, "chunks": 27, "chunk": 10, "batch_size": 32},
+        "groups": [{"ready_seconds": 10.0, "chunks_seconds": 3.0, "loadavg": [1.5, 2.5]}],
+        "fits": fits(safe=(1.05, 1.0)),
+    }
+    text = tiny.markdown(result, tiny.analyse(result))
+    assert "| nolog | Lightning DDPStrategy() | 5500 [5000, 6000] |" in text
+    assert "| sync_dist | safe / stock <= 1.02 | 1.050 | 1.050 [1.050, 1.050] |" in text
+    assert "**missed** | met | 275 [250, 300] | 0 [0, 0] |" in text  # safe's wall added: 5% of 5.0-6.0 ms
+    assert "1.50 to 2.50" in text

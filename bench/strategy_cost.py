@@ -1,6 +1,6 @@
 """The CPU time SafeDDPStrategy's own code adds to a training step, measured directly by instrumentation.
 
-Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--results-dir DIR]
+Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--workloads mlp cifar] [--results-dir DIR]
 
 ``bench/suite.py`` compares whole steps of interleaved fits of stock ``DDPStrategy`` and ``SafeDDPStrategy()``. On
 this shared 2-core machine the same configuration's step time moves by 2-6% between fits and rounds (where the
@@ -8,12 +8,20 @@ this shared 2-core machine the same configuration's step time moves by 2-6% betw
 it with a handful of rounds. This script measures the difference itself: in fits of the suite's two workloads with
 ``SafeDDPStrategy()`` at its defaults (Lightning's own launcher, gloo, one thread per rank), every method that
 ``SafeDDPStrategy`` overrides is wrapped with a thread-CPU-time counter, and so is the ``DDPStrategy``
-implementation it calls through ``super()``; the strategy's *own* time of a method is the first minus the second.
-The hooks of the callback the strategy adds (the epoch-end weight agreement) count whole, and the strategy's
-background threads (the control plane's heartbeat) count by their thread CPU clocks. The window is ``--steps``
-training steps after a warm-up; the epoch-end weight agreement, once per epoch, is reported on its own.
+implementation it calls through ``super()``; a key's time excludes every timed call nested in it (the strategy's own
+time of a method is its time less the ``DDPStrategy`` code and the other timed methods it called, each counted once).
+The callbacks the strategy adds are timed by Lightning's turn of each hook (a copy of Lightning's hook loop): from
+the ``getattr`` of the hook to its return, the hook's code and Lightning's dispatch to it (inherited no-op hooks
+included), which a run without the callback does not have. A callback without hooks placed first in the list is
+timed the same way and left out of the total, for reference: the first turn after the backward pays cache misses
+whatever callback takes it. Every figure is less the instrumentation's own CPU, calibrated in the same process (per
+timed call, and per timed call nested in another). The strategy's background threads (the control plane's heartbeat
+threads, the preemption watch) count by their thread CPU clocks. The window is ``--steps`` training steps after a
+warm-up; the epoch-end weight agreement, once per epoch, is reported on its own.
 
-Writes ``strategy_cost.json`` and ``strategy_cost.md`` into ``--results-dir`` (default ``bench/results``).
+Writes ``strategy_cost.json`` and ``strategy_cost.md`` into ``--results-dir`` (default ``bench/results``);
+``DDP_STRATEGY_BENCH_NO_DESYNC=1`` measures ``SafeDDPStrategy(desync_detection=False)`` into
+``strategy_cost_no_desync.{json,md}``.
 """
 
 from __future__ import annotations

@@ -233,8 +233,10 @@ def test_a_beat_reads_the_recorder_only_when_the_training_thread_did_not_move_on
     monkeypatch.setattr(desync_module, "_training_thread_in_torch", lambda: True)
     control = FakeControl()
     monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
-    assert monitor._watched_wait() == ("", 0.0) and reads == []  # the first beat: the position is new
-    skipped = monitor._skipped_at
+    assert monitor._watched_wait() == ("collective 0#7", pytest.approx(time.time(), abs=5))  # no move since start
+    assert reads == [1]
+    reads.clear()
+    monitor._wait = ("", 0.0)
     control.heartbeat.position = object()  # a new training step
     assert monitor._watched_wait() == ("", 0.0) and reads == []
     skipped = monitor._skipped_at

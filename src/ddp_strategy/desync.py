@@ -170,7 +170,8 @@ class DesyncMonitor:
         self._next_look = 0.0  # the next look at the next rank's ledger and audit (once per heartbeat interval)
         self._audit_inquired: set[tuple[str, int]] = set()
         self._wait: tuple[str, float] = ("", 0.0)
-        self._mark: tuple[object, tuple[int, int]] = (None, (0, 0))  # (position, ledger) at the last beat
+        # (position, ledger) at the last beat: the training thread moved on when either changed
+        self._mark: tuple[object, tuple[int, int]] = (control.heartbeat.position, self.ledger.state)
         self._skipped_at = 0.0  # when the last beat skipped the counters (the training thread had moved on)
         self._peer_key = POSITION_KEY.format(rank=(control.rank + 1) % control.world_size)
         self._answered = 0  # the last inquiry this rank answered

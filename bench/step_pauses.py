@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -51,6 +49,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ddp_strategy.desync as desync_module  # noqa: E402
 import ddp_strategy.desync_audit as audit_module  # noqa: E402
+from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
 from ddp_strategy._compat.torch import collective_trace_enabled  # noqa: E402
 from ddp_strategy.collective_record import TRACE_ENTRIES  # noqa: E402
@@ -406,20 +405,9 @@ def main() -> None:
         "rounds": args.rounds,
         "profile_event_cost_s": event_cost,
         "fits": fits,
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": pl.__version__,
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **machine(),
     }
-    lines = render(result)
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_pauses.json").write_text(json.dumps(result, indent=2))
-    (out / "step_pauses.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(args.results_dir, "step_pauses", result, render(result))
 
 
 if __name__ == "__main__":

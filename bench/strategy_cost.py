@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -52,6 +50,7 @@ from lightning.pytorch.trainer import call as lightning_call  # noqa: E402
 from run import MLP, MLP_SHAPE, SyncedCIFAR10Classifier  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
 
 WARMUP = 5
@@ -423,21 +422,9 @@ def main() -> None:
         "devices": args.devices,
         "desync_detection": not NO_DESYNC,
         "workloads": rows,
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": pl.__version__,
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **machine(),
     }
-    lines = render(result)
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "strategy_cost_no_desync" if NO_DESYNC else "strategy_cost"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(args.results_dir, "strategy_cost_no_desync" if NO_DESYNC else "strategy_cost", result, render(result))
 
 
 if __name__ == "__main__":

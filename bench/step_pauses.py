@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import statistics
 import sys
@@ -248,18 +249,42 @@ class Dumps:
         return timed
 
 
+class Collections:
+    """Python's garbage collections in the training window: the longest (wall), its generation and thread.
+
+    A collection runs on the thread whose allocation triggered it and keeps the GIL: one triggered on a background
+    thread pauses the training thread for its whole length.
+    """
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.longest: dict[str, Any] = {"wall_s": 0.0}
+        self.count = 0
+        self._began = 0.0
+
+    def callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self.recording:
+            took = time.perf_counter() - self._began
+            self.count += 1
+            if took > self.longest["wall_s"]:
+                thread = threading.current_thread().name
+                self.longest = {"wall_s": took, "generation": info.get("generation"), "thread": thread}
+
+
 class Phase(Callback):
     """Marks the training window (after ``warmup`` steps) for the holds and the dumps."""
 
-    def __init__(self, holds: Holds, dumps: Dumps, warmup: int) -> None:
-        self.holds, self.dumps, self.warmup = holds, dumps, warmup
+    def __init__(self, holds: Holds, dumps: Dumps, collections: Collections, warmup: int) -> None:
+        self.holds, self.dumps, self.collections, self.warmup = holds, dumps, collections, warmup
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         on = trainer.global_step >= self.warmup
-        self.holds.recording = self.dumps.training = on
+        self.holds.recording = self.dumps.training = self.collections.recording = on
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.holds.recording = self.dumps.training = False
+        self.holds.recording = self.dumps.training = self.collections.recording = False
 
 
 def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> dict[str, Any]:
@@ -271,6 +296,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     for module, dump in originals.items():
         module.collective_trace = dumps.wrap(dump)  # type: ignore[attr-defined]
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
+    collections = Collections()
+    gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
     started = time.perf_counter()
     try:
@@ -280,7 +307,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             devices=2,
             strategy=SafeDDPStrategy() if variant == "safe" else DDPStrategy(),
             max_steps=warmup + steps,
-            callbacks=[clock, Phase(holds, dumps, warmup)],
+            callbacks=[clock, Phase(holds, dumps, collections, warmup)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -292,6 +319,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             trainer.fit(Tiny(), DataLoader(data, batch_size=BATCH))
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
+        gc.callbacks.remove(collections.callback)
         for module, dump in originals.items():
             module.collective_trace = dump  # type: ignore[attr-defined]
     gaps = sorted(clock.gaps)
@@ -314,6 +342,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "longest": holds.longest,
             "longest_c_call": holds.longest_c_call,
         },
+        "garbage_collections": {"count": collections.count, "longest": collections.longest},
         "dumps": {
             "all": dumps.calls,
             "first": dumps.calls[0] if dumps.calls else None,
@@ -342,8 +371,8 @@ def render(result: dict[str, Any]) -> list[str]:
         "background GIL stretches | longest stretch (ms, thread, between the calls that let the GIL go) "
         "| stretches over 1 ms | longest C call in one "
         "(ms) | recorder dumps on background threads in training (longest, ms wall / CPU) | on the training thread "
-        "as epochs start (longest, ms wall) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "as epochs start (longest, ms wall) | longest garbage collection (ms, generation, thread) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["fits"]:
         gaps, holds, dumps = row["hook_gaps"], row["background_holds"], row["dumps"]
@@ -363,10 +392,16 @@ def render(result: dict[str, Any]) -> list[str]:
             if row["variant"] == "safe"
             else "- | -"
         )
+        collected = row["garbage_collections"]["longest"]
+        gc_text = (
+            f"{collected['wall_s'] * 1e3:.1f} ({collected['generation']}, {collected['thread']})"
+            if row["garbage_collections"]["count"]
+            else "-"
+        )
         lines.append(
             f"| {row['round']} | {row['variant']} | {gaps['median_s'] * 1e3:.3f} | {gaps['p999_s'] * 1e3:.3f} | "
             f"{gaps['max_s'] * 1e3:.3f} | {holds['stretches'] if row['variant'] == 'safe' else '-'} | {stretch} | "
-            f"{holds['over_1ms'] if row['variant'] == 'safe' else '-'} | {call_text} | {dump_text} |"
+            f"{holds['over_1ms'] if row['variant'] == 'safe' else '-'} | {call_text} | {dump_text} | {gc_text} |"
         )
     firsts = [row["dumps"]["first"] for row in result["fits"] if row["variant"] == "safe" and row["dumps"]["first"]]
     lines += [

@@ -157,13 +157,17 @@ class CallLedger:
         """Record one collective (its digest is computed when the state is next read)."""
         self._pending.append(what)
         if len(self._pending) >= _PENDING_MOST:  # nothing read the state for long (no heartbeat): not unbounded
-            self._settle()
+            self._settle(wait=False)
 
-    def _settle(self) -> None:
-        """Take the calls added since into the count and digest (any thread; one at a time)."""
-        if not self._pending:
+    def _settle(self, *, wait: bool = True) -> None:
+        """Take the calls added since into the count and digest (any thread; one at a time).
+
+        The GIL is let go (a short sleep) after every :data:`_SETTLED_AT_ONCE` calls, so that a training thread
+        waiting for it never waits long. ``wait=False``: nothing when another thread is settling.
+        """
+        if not self._pending or not self._settling.acquire(blocking=wait):
             return
-        with self._settling:
+        try:
             count, digest = self._state
             while self._pending:
                 what = self._pending.popleft()
@@ -171,7 +175,12 @@ class CallLedger:
                 self._history[count] = digest
                 self._history.pop(count - self._keep, None)
                 self._texts.append((count, what))
+                if count % _SETTLED_AT_ONCE == 0:
+                    self._state = (count, digest)
+                    time.sleep(_YIELD)
             self._state = (count, digest)
+        finally:
+            self._settling.release()
 
     @property
     def state(self) -> tuple[int, int]:
@@ -193,6 +202,9 @@ class CallLedger:
 
 #: calls :class:`CallLedger` holds outside its digest at most (then the adding thread settles them)
 _PENDING_MOST = 1024
+#: calls :class:`CallLedger` takes into its digest between two short sleeps (the GIL let go)
+_SETTLED_AT_ONCE = 64
+_YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 
 class LogSites:

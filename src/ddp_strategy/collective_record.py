@@ -203,7 +203,7 @@ class CallLedger:
 #: calls :class:`CallLedger` holds outside its digest at most (then the adding thread settles them)
 _PENDING_MOST = 1024
 #: calls :class:`CallLedger` takes into its digest between two short sleeps (the GIL let go)
-_SETTLED_AT_ONCE = 64
+_SETTLED_AT_ONCE = 32
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 

@@ -55,18 +55,8 @@ def test_inherited_per_batch_hooks_are_skipped_and_own_ones_kept():
 
 def test_a_fit_passes_over_the_skipped_hooks_and_runs_the_others():
     counting = Counting()
-    trainer = pl.Trainer(
-        max_steps=3,
-        callbacks=[counting],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=1,
-        accelerator="cpu",
-        devices=1,
-    )
+    quiet = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+    trainer = pl.Trainer(max_steps=3, callbacks=[counting], limit_val_batches=0, accelerator="cpu", devices=1, **quiet)
     trainer.fit(BoringModel())
     assert counting.calls == {"on_train_batch_end": 3, "on_after_backward": 3}
 

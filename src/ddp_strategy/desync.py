@@ -170,8 +170,8 @@ class DesyncMonitor:
         self._next_look = 0.0  # the next look at the next rank's ledger and audit (once per heartbeat interval)
         self._audit_inquired: set[tuple[str, int]] = set()
         self._wait: tuple[str, float] = ("", 0.0)
-        # (position, ledger) at the last beat: the training thread moved on when either changed
-        self._mark: tuple[object, tuple[int, int]] = (control.heartbeat.position, self.ledger.state)
+        # (position, ledger) at the last beat: the training thread moved on when either changed (None: no beat yet)
+        self._mark: tuple[object, tuple[int, int]] | None = None
         self._skipped_at = 0.0  # when the last beat skipped the counters (the training thread had moved on)
         self._peer_key = POSITION_KEY.format(rank=(control.rank + 1) % control.world_size)
         self._answered = 0  # the last inquiry this rank answered
@@ -208,8 +208,8 @@ class DesyncMonitor:
         long yet: the recorder's counters are not read. A wait seen at the next beat then counts from the skipped
         beat (it may have begun before it, where reading the counters would have seen it).
         """
-        mark = (self.control.heartbeat.position, self.ledger.state)
-        moved = mark[0] is not self._mark[0] or mark[1] != self._mark[1]
+        mark, last = (self.control.heartbeat.position, self.ledger.state), self._mark
+        moved = last is not None and (mark[0] is not last[0] or mark[1] != last[1])  # the first beat reads them
         self._mark = mark
         skipped_at, self._skipped_at = self._skipped_at, 0.0
         if moved and self.control.in_barrier is None:

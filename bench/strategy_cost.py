@@ -1,6 +1,6 @@
 """The CPU time SafeDDPStrategy's own code adds to a training step, measured directly by instrumentation.
 
-Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--results-dir DIR]
+Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--workloads mlp cifar] [--results-dir DIR]
 
 ``bench/suite.py`` compares whole steps of interleaved fits of stock ``DDPStrategy`` and ``SafeDDPStrategy()``. On
 this shared 2-core machine the same configuration's step time moves by 2-6% between fits and rounds (where the
@@ -8,21 +8,27 @@ this shared 2-core machine the same configuration's step time moves by 2-6% betw
 it with a handful of rounds. This script measures the difference itself: in fits of the suite's two workloads with
 ``SafeDDPStrategy()`` at its defaults (Lightning's own launcher, gloo, one thread per rank), every method that
 ``SafeDDPStrategy`` overrides is wrapped with a thread-CPU-time counter, and so is the ``DDPStrategy``
-implementation it calls through ``super()``; the strategy's *own* time of a method is the first minus the second.
-The hooks of the callback the strategy adds (the epoch-end weight agreement) count whole, and the strategy's
-background threads (the control plane's heartbeat) count by their thread CPU clocks. The window is ``--steps``
-training steps after a warm-up; the epoch-end weight agreement, once per epoch, is reported on its own.
+implementation it calls through ``super()``; a key's time excludes every timed call nested in it (the strategy's own
+time of a method is its time less the ``DDPStrategy`` code and the other timed methods it called, each counted once).
+The callbacks the strategy adds are timed by Lightning's turn of each hook (a copy of Lightning's hook loop): from
+the ``getattr`` of the hook to its return, the hook's code and Lightning's dispatch to it (inherited no-op hooks
+included), which a run without the callback does not have. A callback without hooks placed first in the list is
+timed the same way and left out of the total, for reference: the first turn after the backward pays cache misses
+whatever callback takes it. Every figure is less the instrumentation's own CPU, calibrated in the same process (per
+timed call, and per timed call nested in another). The strategy's background threads (the control plane's heartbeat
+threads, the preemption watch) count by their thread CPU clocks. The window is ``--steps`` training steps after a
+warm-up; the epoch-end weight agreement, once per epoch, is reported on its own.
 
-Writes ``strategy_cost.json`` and ``strategy_cost.md`` into ``--results-dir`` (default ``bench/results``).
+Writes ``strategy_cost.json`` and ``strategy_cost.md`` into ``--results-dir`` (default ``bench/results``);
+``DDP_STRATEGY_BENCH_NO_DESYNC=1`` measures ``SafeDDPStrategy(desync_detection=False)`` into
+``strategy_cost_no_desync.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,42 +44,100 @@ sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.trainer import call as lightning_call  # noqa: E402
 from run import MLP, MLP_SHAPE, SyncedCIFAR10Classifier  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
 
 WARMUP = 5
+#: DDP_STRATEGY_BENCH_NO_DESYNC=1: `SafeDDPStrategy(desync_detection=False)`, results in strategy_cost_no_desync.*
+NO_DESYNC = os.environ.get("DDP_STRATEGY_BENCH_NO_DESYNC") == "1"
 BATCH = {"mlp": 8, "cifar": 16}  # per rank, as in bench/suite.py
 
 
 class Counters:
-    """Thread CPU seconds and calls per key: ``outer`` (SafeDDPStrategy's methods, callbacks' hooks), ``inner``."""
+    """Exclusive thread CPU seconds and calls per key, the training thread's nesting of timed calls, calibration.
+
+    ``own``: SafeDDPStrategy's methods and the loop iterations that run the callbacks it added; ``inner``: the
+    ``DDPStrategy`` code they reach through ``super()`` (not counted). A key's time excludes every timed call
+    nested in it (counted under its own key), so the keys add up without counting anything twice.
+    """
 
     def __init__(self) -> None:
-        self.outer: dict[str, float] = {}
+        self.own: dict[str, float] = {}
         self.inner: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        #: timed calls nested directly in each key's calls (each adds some of the wrapper's own work to the parent)
+        self.nested: dict[str, int] = {}
         #: per call, inside the window: the own CPU seconds of the strategy's collectives (PER_CALL)
         self.per_call: dict[str, list[float]] = {}
         self.recording = False
+        #: the instrumentation's own CPU seconds inside a timed call, and inside its parent per nested call
+        self.overhead = (0.0, 0.0)
+        self._stack: list[list[float]] = []  # per open timed call: [nested calls' seconds, nested calls]
 
-    def snapshot(self) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
-        return dict(self.outer), dict(self.inner), dict(self.calls)
+    def snapshot(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+        return dict(self.own), dict(self.calls), dict(self.nested)
 
-
-def _timed(method: Callable[..., Any], key: str, into: dict[str, float], calls: dict[str, int] | None) -> Any:
-    @functools.wraps(method)
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(self, key: str, run: Callable[..., Any], args: Any, kwargs: Any, *, inner: bool = False) -> Any:
+        stack = self._stack
+        frame = [0.0, 0]
+        stack.append(frame)
         start = time.thread_time()
         try:
-            return method(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
-            into[key] = into.get(key, 0.0) + time.thread_time() - start
-            if calls is not None:
-                calls[key] = calls.get(key, 0) + 1
+            took = time.thread_time() - start
+            stack.pop()
+            if stack:
+                stack[-1][0] += took
+                stack[-1][1] += 1
+            own = took - frame[0]
+            if inner:  # not the strategy's: left out of every figure
+                self.inner[key] = self.inner.get(key, 0.0) + own
+            else:
+                self._count(key, own, int(frame[1]))
+
+    def _count(self, key: str, own: float, nested: int) -> None:
+        self.own[key] = self.own.get(key, 0.0) + own
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.nested[key] = self.nested.get(key, 0) + nested
+        if self.recording and key in PER_CALL:
+            leaf, per_nested = self.overhead
+            self.per_call.setdefault(key, []).append(own - leaf - per_nested * nested)
+
+    def calibrate(self, rounds: int = 20000) -> None:
+        """Measure the wrapper's own CPU inside a timed call (a leaf) and inside a parent per nested call."""
+        probe = Counters()
+
+        def leaf() -> None:
+            return None
+
+        def parent() -> None:
+            probe.timed("leaf", leaf, (), {})
+
+        for _ in range(3):  # warm, then keep the last round's figures
+            probe.own.clear()
+            probe.calls.clear()
+            for _ in range(rounds):
+                probe.timed("leaf", leaf, (), {})
+            leaf_cost = probe.own["leaf"] / probe.calls["leaf"]
+            probe.own.clear()
+            probe.calls.clear()
+            for _ in range(rounds):
+                probe.timed("parent", parent, (), {})
+            nested_cost = probe.own["parent"] / probe.calls["parent"] - leaf_cost
+        self.overhead = (leaf_cost, max(0.0, nested_cost))
+
+
+def _timed(method: Callable[..., Any], key: str, counters: Counters, *, inner: bool = False) -> Any:
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        return counters.timed(key, method, args, kwargs, inner=inner)
 
     return timed
 
@@ -82,43 +146,18 @@ def _timed(method: Callable[..., Any], key: str, into: dict[str, float], calls: 
 PER_CALL = ("reduce", "all_gather", "broadcast")
 
 
-def _timed_per_call(method: Callable[..., Any], key: str, counters: Counters) -> Any:
-    """As :func:`_timed` into ``counters.outer``, and each call's own time (minus the ``super()`` part) kept."""
-
-    @functools.wraps(method)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        inner_before = counters.inner.get(key, 0.0)
-        start = time.thread_time()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            took = time.thread_time() - start
-            counters.outer[key] = counters.outer.get(key, 0.0) + took
-            counters.calls[key] = counters.calls.get(key, 0) + 1
-            if counters.recording:
-                own = took - (counters.inner.get(key, 0.0) - inner_before)
-                counters.per_call.setdefault(key, []).append(own)
-
-    return timed
-
-
 def instrument_strategy(counters: Counters) -> Callable[[], None]:
     """Wrap every method SafeDDPStrategy defines and its ``super()`` target; returns the function that undoes it."""
     undo: list[Callable[[], None]] = []
     for name, attr in list(vars(SafeDDPStrategy).items()):
         if name.startswith("__") or not callable(attr) or isinstance(attr, (staticmethod, classmethod, type)):
             continue
-        wrapped = (
-            _timed_per_call(attr, name, counters)
-            if name in PER_CALL
-            else _timed(attr, name, counters.outer, counters.calls)
-        )
-        setattr(SafeDDPStrategy, name, wrapped)
+        setattr(SafeDDPStrategy, name, _timed(attr, name, counters))
         undo.append(functools.partial(setattr, SafeDDPStrategy, name, attr))
         parent = getattr(DDPStrategy, name, None)
         if callable(parent):  # what super().<name>() reaches: only SafeDDPStrategy's methods call it in this script
             had_own = name in vars(DDPStrategy)
-            setattr(DDPStrategy, name, _timed(parent, name, counters.inner, None))
+            setattr(DDPStrategy, name, _timed(parent, name, counters, inner=True))
             undo.append(
                 functools.partial(setattr, DDPStrategy, name, parent)
                 if had_own
@@ -132,12 +171,44 @@ def instrument_strategy(counters: Counters) -> Callable[[], None]:
     return restore
 
 
-def instrument_callback(callback: Callback, counters: Counters) -> None:
-    """Wrap the ``on_*`` hooks of a callback the strategy added (they count whole: all of it is the strategy's)."""
-    for attr in dir(callback):
-        if attr.startswith("on_"):
-            key = f"{type(callback).__name__}.{attr}"
-            setattr(callback, attr, _timed(getattr(callback, attr), key, counters.outer, counters.calls))
+def instrument_callback_hooks(counters: Counters) -> Callable[[], None]:
+    """Time, in Lightning's loop over the callbacks, each turn of a callback the strategy added, whole.
+
+    A copy of Lightning's ``_call_callback_hooks`` (2.6) whose turn of a ``ddp_strategy`` callback is timed from
+    Lightning's ``getattr`` of the hook to its return: the hook's own code and Lightning's dispatch to it (the
+    profiler's context, the callback's ``state_key``), which a run without that callback does not have.
+    """
+    original = lightning_call._call_callback_hooks
+
+    def turn(callback: Callback, hook_name: str, trainer: pl.Trainer, args: Any, kwargs: Any) -> None:
+        fn = getattr(callback, hook_name)
+        if callable(fn):
+            with trainer.profiler.profile(f"[Callback]{callback.state_key}.{hook_name}"):
+                fn(trainer, trainer.lightning_module, *args, **kwargs)
+
+    def call_callback_hooks(
+        trainer: pl.Trainer, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kwargs: Any
+    ) -> None:
+        pl_module = trainer.lightning_module
+        if pl_module:
+            prev_fx_name = pl_module._current_fx_name
+            pl_module._current_fx_name = hook_name
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if monitoring_callbacks is True:
+            callbacks = [cb for cb in callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+        elif monitoring_callbacks is False:
+            callbacks = [cb for cb in callbacks if not isinstance(cb, (EarlyStopping, Checkpoint))]
+        for callback in callbacks:
+            if isinstance(callback, Reference) or type(callback).__module__.startswith("ddp_strategy"):
+                key = f"{type(callback).__name__}.{hook_name}"
+                counters.timed(key, turn, (callback, hook_name, trainer, args, kwargs), {})
+            else:
+                turn(callback, hook_name, trainer, args, kwargs)
+        if pl_module:
+            pl_module._current_fx_name = prev_fx_name
+
+    lightning_call._call_callback_hooks = call_callback_hooks
+    return functools.partial(setattr, lightning_call, "_call_callback_hooks", original)
 
 
 def strategy_threads() -> list[threading.Thread]:
@@ -152,6 +223,15 @@ def thread_cpu(thread: threading.Thread) -> float:
         return 0.0
 
 
+class Reference(Callback):
+    """A callback without hooks, first in the Trainer's list: the cost of one more callback in a run with callbacks.
+
+    Timed as the strategy's callbacks are, and left out of the total. Being first, its turn after the backward
+    pays the cache misses that the first callback's turn pays whoever it is (in a run with the progress bar or a
+    checkpoint callback, one of those), so the strategy's callbacks are timed as they are in such a run.
+    """
+
+
 class Window(Callback):
     """Snapshots at the start of step ``WARMUP`` and of step ``WARMUP + steps``, and the training thread's CPU."""
 
@@ -161,13 +241,12 @@ class Window(Callback):
         self.end: Any = None
         self.step_cpu: list[float] = []
         self._begin = 0.0
-        self._instrumented: set[int] = set()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # before those the strategy added; a new list, as Lightning is iterating over the current one
+        trainer.callbacks = [Reference(), *trainer.callbacks]  # type: ignore[attr-defined]
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if type(cb).__module__.startswith("ddp_strategy") and id(cb) not in self._instrumented:
-                instrument_callback(cb, self.counters)  # added by the strategy in its setup
-                self._instrumented.add(id(cb))
         if idx in (WARMUP, WARMUP + self.steps):
             threads = {t.name: thread_cpu(t) for t in strategy_threads()}
             mark = (self.counters.snapshot(), threads)
@@ -186,17 +265,25 @@ class Window(Callback):
 
 
 def own_per_step(window: Window) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
-    (outer0, inner0, calls0), threads0 = window.start
-    (outer1, inner1, calls1), threads1 = window.end
+    """Per training step in the window: each key's own CPU (less the instrumentation's), its calls, the threads'."""
+    (own0, calls0, nested0), threads0 = window.start
+    (own1, calls1, nested1), threads1 = window.end
+    leaf, per_nested = window.counters.overhead
     steps = window.steps
-    own = {
-        key: ((outer1.get(key, 0.0) - outer0.get(key, 0.0)) - (inner1.get(key, 0.0) - inner0.get(key, 0.0))) / steps
-        for key in outer1
-    }
     calls = {key: calls1.get(key, 0) - calls0.get(key, 0) for key in calls1}
-    own = {k: v for k, v in own.items() if calls.get(k, 0) > 0}
+    own = {
+        key: (
+            own1[key]
+            - own0.get(key, 0.0)
+            - leaf * calls[key]
+            - per_nested * (nested1.get(key, 0) - nested0.get(key, 0))
+        )
+        / steps
+        for key in own1
+        if calls.get(key, 0) > 0
+    }
     threads = {name: (threads1.get(name, 0.0) - cpu) / steps for name, cpu in threads0.items()}
-    return own, {k: v for k, v in calls.items() if v > 0}, threads
+    return own, {k: v for k, v in calls.items() if k in own}, threads
 
 
 def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
@@ -210,15 +297,16 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         count = BATCH["cifar"] * devices * (WARMUP + steps + 1)
         data = TensorDataset(torch.randn(count, 3, 32, 32), torch.randint(0, 10, (count,)))
     counters = Counters()
+    counters.calibrate()
     window = Window(counters, steps)
-    restore = instrument_strategy(counters)
+    restore = [instrument_strategy(counters), instrument_callback_hooks(counters)]
     try:
         trainer = pl.Trainer(
             default_root_dir=root,
             accelerator="cpu",
             devices=devices,
             # DDP_STRATEGY_BENCH_NO_DESYNC=1: the same without desync detection, for a side-by-side figure
-            strategy=SafeDDPStrategy(desync_detection=os.environ.get("DDP_STRATEGY_BENCH_NO_DESYNC") != "1"),
+            strategy=SafeDDPStrategy(desync_detection=not NO_DESYNC),
             max_epochs=1,  # one epoch of WARMUP + steps + 1 steps: the epoch-end check runs once, after the window
             callbacks=[window],
             logger=False,
@@ -229,9 +317,12 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         )
         trainer.fit(model, DataLoader(data, batch_size=BATCH[workload], shuffle=True))
     finally:
-        restore()
+        for undo in reversed(restore):
+            undo()
     own, calls, threads = own_per_step(window)
-    epoch_end = {k: v for k, v in counters.outer.items() if k.endswith("on_train_epoch_end")}
+    reference = {k: own.pop(k) for k in list(own) if k.startswith(f"{Reference.__name__}.")}
+    leaf, per_nested = counters.overhead
+    epoch_end = {k: v - leaf * counters.calls[k] for k, v in counters.own.items() if k.endswith("on_train_epoch_end")}
     per_step_total = sum(own.values()) + sum(threads.values())
     step_cpu = statistics.median(window.step_cpu)
     return {
@@ -244,7 +335,11 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         "own_per_method_s": dict(sorted(own.items(), key=lambda kv: -kv[1])),
         "calls_in_window": calls,
         "threads_cpu_per_step_s": threads,
+        # not counted: the turns of a callback without hooks placed first (see Reference)
+        "reference_callback_per_step_s": reference,
         "epoch_end_check_s": epoch_end,
+        # the instrumentation's own CPU per timed call and per nested timed call, subtracted from every figure
+        "instrumentation_overhead_s": {"per_call": leaf, "per_nested_call": per_nested},
         # own CPU per call of the strategy's collectives in the window: median, 10th and 90th percentile
         "own_per_call_s": {
             key: {"median": statistics.median(v), "p10": quantile(v, 0.1), "p90": quantile(v, 0.9), "calls": len(v)}
@@ -260,13 +355,17 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def render(result: dict[str, Any]) -> list[str]:
+    overhead = result["workloads"][0]["instrumentation_overhead_s"]
+    detection = "" if result.get("desync_detection", True) else "(desync_detection=False)"
     lines = [
         f"Measured {result['date']} on {result['machine']['platform']}, torch {result['machine']['torch']}, "
-        f"Lightning {result['machine']['lightning']}: `SafeDDPStrategy()` at its defaults, {result['devices']} "
-        f"rank(s) (Lightning's launcher, gloo, one thread per rank), rank 0's figures, {WARMUP} warm-up steps then "
-        "a window of the steps below. Own time = CPU time inside `SafeDDPStrategy`'s methods minus the "
-        "`DDPStrategy` code they call, plus the hooks of the callback it adds and its background threads. It "
-        "includes the instrumentation's own clock reads (about 1 us per call).",
+        f"Lightning {result['machine']['lightning']}: `SafeDDPStrategy({detection})` at its defaults, "
+        f"{result['devices']} rank(s) (Lightning's launcher, gloo, one thread per rank), rank 0's figures, "
+        f"{WARMUP} warm-up steps then a window of the steps below. Own time = CPU time inside `SafeDDPStrategy`'s "
+        "methods less the `DDPStrategy` code they call, plus Lightning's turns of the callbacks it adds (dispatch "
+        "and hook, inherited no-op hooks included) and its background threads. Every timed call's figure is less "
+        f"the instrumentation's own CPU, calibrated in the same process: {overhead['per_call'] * 1e6:.2f} us per "
+        f"timed call and {overhead['per_nested_call'] * 1e6:.2f} us per timed call nested in another.",
         "",
         "| workload | parameters | steps | step CPU (ms, median) | own CPU per step (us) | share of the step | "
         "implied safe/stock | epoch-end weight agreement (ms, once per epoch) |",
@@ -279,13 +378,23 @@ def render(result: dict[str, Any]) -> list[str]:
             f"{row['own_cpu_per_step_s'] * 1e6:.0f} | {row['fraction_of_step']:.3%} | "
             f"{1 + row['fraction_of_step']:.4f} | {epoch_end * 1e3:.1f} |"
         )
-    lines += ["", "Own CPU time per step by method (us; calls in the window in brackets):", ""]
+    lines += ["", "Own CPU time per step by method or callback hook (us; calls in the window in brackets):", ""]
     for row in result["workloads"]:
         parts = [
             f"`{k}` {v * 1e6:.1f} ({row['calls_in_window'].get(k, 0)})" for k, v in row["own_per_method_s"].items()
         ]
         parts += [f"thread `{k}` {v * 1e6:.1f}" for k, v in row["threads_cpu_per_step_s"].items()]
         lines.append(f"- {row['workload']}: " + ", ".join(parts))
+    lines += [
+        "",
+        "Not counted, for reference: the turns of a callback without hooks placed first in the Trainer's list (us per "
+        "step; the cost of one more callback in a run with callbacks):",
+        "",
+    ]
+    for row in result["workloads"]:
+        turns = row.get("reference_callback_per_step_s", {})
+        parts = [f"`{k.split('.', 1)[1]}` {v * 1e6:.1f}" for k, v in sorted(turns.items(), key=lambda kv: -kv[1])]
+        lines.append(f"- {row['workload']}: {sum(turns.values()) * 1e6:.1f} in all: " + ", ".join(parts))
     head = "Own CPU time per call of the strategy's collectives (us, median [10th, 90th percentile], calls):"
     lines += ["", head, ""]
     for row in result["workloads"]:
@@ -311,21 +420,11 @@ def main() -> None:
         return
     result = {
         "devices": args.devices,
+        "desync_detection": not NO_DESYNC,
         "workloads": rows,
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": pl.__version__,
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **machine(),
     }
-    lines = render(result)
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "strategy_cost.json").write_text(json.dumps(result, indent=2))
-    (out / "strategy_cost.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(args.results_dir, "strategy_cost_no_desync" if NO_DESYNC else "strategy_cost", result, render(result))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from .positions import call_site
 
 __all__ = ["CollectiveCalls", "mean_in_floating_point"]
 
+_TEXTS_KEPT = 1024  # the texts of this many distinct reduces at most (then they are made anew)
+
 
 def mean_in_floating_point(tensor: Tensor, reduce_op: Any) -> Tensor:
     """``tensor`` in double precision when a mean of integers is asked for, else itself.
@@ -30,7 +32,7 @@ def mean_in_floating_point(tensor: Tensor, reduce_op: Any) -> Tensor:
     Lightning truncates an integer mean, in place: a ``self.log(..., sync_dist=True)`` mean over uneven batch counts
     (say 5 and 4 samples) was wrong.
     """
-    if str(reduce_op).lower() in ("mean", "avg") and not torch.is_floating_point(tensor):
+    if not torch.is_floating_point(tensor) and str(reduce_op).lower() in ("mean", "avg"):
         return tensor.double()
     return tensor
 
@@ -48,6 +50,7 @@ class CollectiveCalls:
         #: The lines of the module's ``self.log(..., sync_dist=True)`` calls.
         self.log_sites = LogSites()
         self.monitor: DesyncMonitor | None = None
+        self._texts: dict[tuple[Any, ...], tuple[str, str]] = {}  # per logged value, dtype, shape and op
 
     def watched_by(self, monitor: DesyncMonitor | None) -> None:
         """Record the following calls for ``monitor`` (``None``: stop recording)."""
@@ -58,11 +61,15 @@ class CollectiveCalls:
         monitor = self.monitor
         if monitor is None:
             return run(tensor, group=group, reduce_op=reduce_op)
-        self._raise_agreed_desync(monitor)
-        logged = logged_metric_of_caller(depth=9)  # from the strategy's `reduce` on: its caller's 8 frames
-        shape = f"{tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
-        monitor.ledger.add(f"reduce {'.'.join(logged) if logged else ''} {shape} {reduce_op}")
-        note = self.notes.begin(self.log_sites.describe(*logged) if logged else "strategy.reduce")
+        error = monitor.control.desync_error
+        if error is not None:
+            raise error
+        # a step value syncs inside its `self.log` call; an epoch value later, from Lightning's code: found on the
+        # stack (from the strategy's `reduce` on, its caller's 8 frames)
+        logged = self.log_sites.current or logged_metric_of_caller(depth=9)
+        ledger_text, note_text = self._reduce_texts(logged, tensor, reduce_op)
+        monitor.ledger.add(ledger_text)
+        note = self.notes.begin(note_text)
         try:
             return run(tensor, group=group, reduce_op=reduce_op)
         finally:
@@ -104,6 +111,26 @@ class CollectiveCalls:
             return run(obj, src)
         finally:
             self.notes.end(note)
+
+    def _reduce_texts(self, logged: tuple[str, str] | None, tensor: Any, reduce_op: Any) -> tuple[str, str]:
+        """What a ``reduce`` is, for the ledger and for its note; the same for every call of one logged value."""
+        is_tensor = isinstance(tensor, Tensor)
+        try:
+            key = (logged, tensor.dtype, tensor.shape, reduce_op) if is_tensor else (logged, type(tensor), reduce_op)
+            texts = self._texts.get(key)
+        except TypeError:  # an unhashable reduce_op
+            key, texts = None, None
+        if texts is not None:
+            return texts
+        shape = f"{tensor.dtype}{list(tensor.shape)}" if is_tensor else type(tensor).__name__
+        ledger_text = f"reduce {'.'.join(logged) if logged else ''} {shape} {reduce_op}"
+        texts = (ledger_text, self.log_sites.describe(*logged) if logged else "strategy.reduce")
+        # kept once the note is final: the line of `self.log` is known from its first call on
+        if key is not None and (logged is None or logged in self.log_sites.sites):
+            if len(self._texts) >= _TEXTS_KEPT:
+                self._texts.clear()
+            self._texts[key] = texts
+        return texts
 
     @staticmethod
     def _raise_agreed_desync(monitor: DesyncMonitor) -> None:

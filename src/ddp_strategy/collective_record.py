@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import functools
 import os
+import threading
 import time
 import zlib
 from collections import deque
@@ -37,10 +38,12 @@ __all__ = [
     "first_published_difference",
 ]
 
-#: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``.
-TRACE_ENTRIES = 256
-#: Collectives per process group a rank puts in its report (the newest).
-REPORT_CALLS = TRACE_ENTRIES
+#: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``. A dump
+#: holds the GIL for its whole length, about 5 us per entry with stacks and up to 15-30 us in a loaded training
+#: process: 32 entries keep it under 1 ms (bench/results/step_pauses.json).
+TRACE_ENTRIES = 32
+#: Collectives per process group a rank puts in its report (the newest): the recorder's, and those its audits kept.
+REPORT_CALLS = 256
 #: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.
 AUDIT_INTERVAL = 5.0
 
@@ -137,29 +140,71 @@ class CallLedger:
 
     The backend pairs the n-th calls of the ranks whatever they are: two ranks that log different names with
     ``sync_dist=True`` (Lightning #19106) never wait, and mix their values silently. Each call adds what it was
-    (``reduce on_train_epoch_end.x Float[]``) to the digest (one ``zlib.crc32`` of a short string, no I/O); the
-    heartbeat publishes ``(count, digest)``, and each rank compares a peer's with its own digest at the same count.
+    (``reduce on_train_epoch_end.x Float[]``, :meth:`add`: one append on the training thread); the digest takes it
+    in (one ``zlib.crc32`` of a short string) when the state is next read, usually by the heartbeat thread, which
+    publishes ``(count, digest)``; each rank compares a peer's with its own digest at the same count.
     """
 
     def __init__(self, keep: int = 4096, texts: int = REPORT_CALLS) -> None:
-        #: ``(count, digest)``, replaced as one tuple so that another thread never reads a torn pair
-        self.state: tuple[int, int] = (0, 0)
+        self._state: tuple[int, int] = (0, 0)
         self._history: dict[int, int] = {}
         self._keep = keep
-        self.texts: deque[tuple[int, str]] = deque(maxlen=texts)
+        self._texts: deque[tuple[int, str]] = deque(maxlen=texts)
+        self._pending: deque[str] = deque()  # added, not yet in the digest
+        self._settling = threading.Lock()
 
     def add(self, what: str) -> None:
-        """Record one collective."""
-        count, digest = self.state
-        count, digest = count + 1, zlib.crc32(what.encode(), digest)
-        self._history[count] = digest
-        self._history.pop(count - self._keep, None)
-        self.texts.append((count, what))
-        self.state = (count, digest)
+        """Record one collective (its digest is computed when the state is next read)."""
+        self._pending.append(what)
+        if len(self._pending) >= _PENDING_MOST:  # nothing read the state for long (no heartbeat): not unbounded
+            self._settle(wait=False)
+
+    def _settle(self, *, wait: bool = True) -> None:
+        """Take the calls added since into the count and digest (any thread; one at a time).
+
+        The GIL is let go (a short sleep) after every :data:`_SETTLED_AT_ONCE` calls, so that a training thread
+        waiting for it never waits long. ``wait=False``: nothing when another thread is settling.
+        """
+        if not self._pending or not self._settling.acquire(blocking=wait):
+            return
+        try:
+            count, digest = self._state
+            while self._pending:
+                what = self._pending.popleft()
+                count, digest = count + 1, zlib.crc32(what.encode(), digest)
+                self._history[count] = digest
+                self._history.pop(count - self._keep, None)
+                self._texts.append((count, what))
+                if count % _SETTLED_AT_ONCE == 0:
+                    self._state = (count, digest)
+                    time.sleep(_YIELD)
+            self._state = (count, digest)
+        finally:
+            self._settling.release()
+
+    @property
+    def state(self) -> tuple[int, int]:
+        """``(count, digest)`` of the calls recorded so far."""
+        self._settle()
+        return self._state
+
+    @property
+    def texts(self) -> deque[tuple[int, str]]:
+        """The newest calls as ``(count, what)``."""
+        self._settle()
+        return self._texts
 
     def digest_at(self, count: int) -> int | None:
         """The digest after ``count`` calls, if still kept (``0`` for none)."""
+        self._settle()
         return 0 if count == 0 else self._history.get(count)
+
+
+#: calls :class:`CallLedger` holds outside its digest at most (then the adding thread settles them)
+_PENDING_MOST = 1024
+#: calls :class:`CallLedger` takes into its digest between two short sleeps (the GIL let go)
+_SETTLED_AT_ONCE = 32
+_YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 
 class LogSites:
@@ -173,6 +218,9 @@ class LogSites:
 
     def __init__(self) -> None:
         self.sites: dict[tuple[str, str], str] = {}
+        #: ``(hook, name)`` of the ``self.log(..., sync_dist=True)`` call running now: Lightning syncs a step value
+        #: inside it (the strategy's ``reduce`` then needs no look at the stack to name it)
+        self.current: tuple[str, str] | None = None
         self._module: Any = None
 
     def install(self, module: Any) -> None:
@@ -182,11 +230,16 @@ class LogSites:
         sites = self.sites
 
         def log_recording_site(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("sync_dist"):
-                key = (current_hook_name(module), name)
-                if key not in sites:
-                    sites[key] = call_site(skip=2)
-            return original(name, value, *args, **kwargs)
+            if not kwargs.get("sync_dist"):
+                return original(name, value, *args, **kwargs)
+            key = (current_hook_name(module), name)
+            if key not in sites:
+                sites[key] = call_site(skip=2)
+            self.current = key
+            try:
+                return original(name, value, *args, **kwargs)
+            finally:
+                self.current = None
 
         module.log = log_recording_site
         self._module = module
@@ -209,30 +262,43 @@ class CallAudit:
 
     gloo pairs the n-th calls of the ranks on a group whatever they are: two ranks that all-reduce different
     tensors of one shape at different lines (a rank-dependent branch with a collective on each side) never wait,
-    and mix their values silently. Every :data:`AUDIT_INTERVAL` seconds the heartbeat thread adds the recorder's new
-    calls (:meth:`add`: a CRC-32 of each call's op, shapes, dtypes, user call site and what made it), publishes the
-    newest digests of each group (:meth:`publication`, a few kilobytes) and compares the next rank's publication
-    with its own (:meth:`first_difference`); the strategy compares every rank's once more at each stage's end.
-    A difference opens an inquiry, whose verdict names both calls.
+    and mix their values silently. The heartbeat thread adds the recorder's new calls now and then (:meth:`add`: a
+    CRC-32 of each call's op, shapes, dtypes, user call site and what made it; see
+    :class:`~ddp_strategy.desync_audit.RecorderAudit` for when), publishes the newest digests of each group
+    (:meth:`publication`, a few kilobytes) and compares the next rank's publication with its own
+    (:meth:`first_difference`); the strategy compares every rank's once more at each stage's end. A difference
+    opens an inquiry, whose verdict names both calls. The calls added are kept too (the newest
+    :data:`REPORT_CALLS` per group), for a report to name calls the recorder no longer holds.
     """
 
-    def __init__(self, keep: int = 4 * TRACE_ENTRIES) -> None:
+    def __init__(self, keep: int = 4 * REPORT_CALLS) -> None:
         self._digests: dict[str, dict[int, int]] = {}
         self._keep = keep
         #: per group, the newest sequence number added
         self.newest: dict[str, int] = {}
+        #: per group, the newest calls added, oldest first
+        self.calls: dict[str, deque[CollectiveCall]] = {}
+        self._digest_of: dict[tuple[Any, ...], int] = {}  # per call key (most calls repeat a few keys)
 
     def add(self, calls: Sequence[CollectiveCall]) -> None:
         """Add the calls newer than those added before (recorder order: oldest first)."""
+        known = self._digest_of
         for call in calls:
             if call.seq <= self.newest.get(call.group, 0):
                 continue
+            key = call.key()
+            digest = known.get(key)
+            if digest is None:
+                if len(known) >= _DIGESTS_CACHED:
+                    known.clear()
+                digest = known[key] = zlib.crc32(repr(key).encode()) or 1  # 0 means "not known"
             digests = self._digests.setdefault(call.group, {})
-            digests[call.seq] = zlib.crc32(repr(call.key()).encode()) or 1  # 0 means "not known"
+            digests[call.seq] = digest
             digests.pop(call.seq - self._keep, None)
             self.newest[call.group] = call.seq
+            self.calls.setdefault(call.group, deque(maxlen=REPORT_CALLS)).append(call)
 
-    def publication(self, most: int = TRACE_ENTRIES) -> dict[str, list[Any]]:
+    def publication(self, most: int = REPORT_CALLS) -> dict[str, list[Any]]:
         """Per group ``[first seq, digests as hex]``: the newest ``most`` calls (an unknown call's digest is 0)."""
         published: dict[str, list[Any]] = {}
         for group, digests in self._digests.items():
@@ -247,27 +313,40 @@ class CallAudit:
         return first_published_difference([self.publication(), other])
 
 
-def _published_digests(publication: Mapping[str, Sequence[Any]], group: str) -> dict[int, int]:
+#: call keys whose digest :class:`CallAudit` keeps at most (then it starts over)
+_DIGESTS_CACHED = 4096
+
+
+def _published_digests(publication: Mapping[str, Sequence[Any]], group: str) -> tuple[int, array.array[int]] | None:
+    """``(first seq, digests)`` of ``group`` in a publication."""
     if group not in publication:
-        return {}
+        return None
     first, data = publication[group]
     values = array.array("I")
     values.frombytes(bytes.fromhex(str(data)))
-    return {int(first) + i: value for i, value in enumerate(values) if value}
+    return int(first), values
 
 
 def first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]]]) -> tuple[str, int] | None:
     """The first ``(group, seq)`` (lowest group id, then seq) to which ranks' publications give different digests.
 
     Args:
-        publications: every rank's :meth:`CallAudit.publication`; a call only some ranks published is not compared.
+        publications: every rank's :meth:`CallAudit.publication`; a call only some ranks published is not compared
+            (nor one a rank published as unknown, digest 0).
 
     """
     groups = sorted({group for publication in publications for group in publication})
     for group in groups:
-        tables = [_published_digests(publication, group) for publication in publications]
-        for seq in sorted(set().union(*tables)):
-            values = {table[seq] for table in tables if seq in table}
+        tables = [t for t in (_published_digests(p, group) for p in publications) if t is not None and len(t[1])]
+        if len(tables) < 2:
+            continue
+        starts = sorted(first for first, _ in tables)
+        ends = sorted(first + len(values) for first, values in tables)
+        low, high = starts[1], ends[-2]  # the calls at least two ranks published
+        if all(first == starts[0] for first in starts) and all(v == tables[0][1] for _, v in tables):
+            continue  # the same calls, the same digests (the usual case at a stage's end)
+        for seq in range(low, high):
+            values = {v[seq - first] for first, v in tables if first <= seq < first + len(v)} - {0}
             if len(values) > 1:
                 return group, seq
     return None
@@ -326,10 +405,17 @@ def _site_and_what(frames: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
 def calls_from_trace(entries: Sequence[Mapping[str, Any]], notes: CallNotes | None = None) -> list[CollectiveCall]:
     """The Flight Recorder's entries (:func:`~ddp_strategy._compat.torch.collective_trace`) as calls, oldest first."""
     calls = []
+    # a dump holds each distinct frame once (its entries share the frame dicts): one answer per stack in it
+    stacks: dict[tuple[int, ...], tuple[str, str]] = {}
     for entry in entries:
         if entry.get("is_p2p"):
             continue
-        site, what_frames = _site_and_what(entry.get("frames") or ())
+        frames = entry.get("frames") or ()
+        stack = tuple(map(id, frames))
+        found = stacks.get(stack)
+        if found is None:
+            found = stacks[stack] = _site_and_what(frames)
+        site, what_frames = found
         created_ns = int(entry.get("time_created_ns") or 0)
         what = notes.lookup(created_ns) if notes is not None else ""
         op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]

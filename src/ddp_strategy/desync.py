@@ -5,8 +5,10 @@ DDP is correct only when every rank makes the same collective calls in the same 
 and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. The strategy turns it on, and
 :class:`DesyncMonitor`, on each rank's heartbeat thread, uses it in two steps:
 
-1. **Watch, cheaply.** Each beat reads the recorder's per-group counters (tens of microseconds, no stacks) and
-   the training thread's control-plane barrier. A rank whose training thread waits, unchanged, in a collective
+1. **Watch, cheaply.** Each beat looks whether the training thread moved on since the last beat (a new training
+   step, barrier or strategy collective: two attribute reads); only when it did not does it read the recorder's
+   per-group counters (no stacks) and the training thread's innermost frame. A rank whose training thread waits,
+   unchanged, in a collective
    or a barrier for :data:`STUCK_AFTER` seconds is *stuck*; it publishes that with its position and counts itself
    in one store counter. When the counter reaches the world size every rank is stuck: unless all wait in the same
    collective (the verdict tells), no rank can ever go on. A rank merely slow (rank 0 writing a large checkpoint
@@ -25,9 +27,11 @@ backend collective cannot be interrupted from Python; the lowest such rank print
 (``os._exit``), which closes its connections, so that the collectives of the others return with a backend error,
 which the strategy's launcher replaces by the agreed error (see ``SafeDDPStrategy``).
 
-The calls themselves and their digests are in :mod:`ddp_strategy.collective_record`, the verdict computed from the
-reports in :mod:`ddp_strategy.desync_verdict`, and the shape check before ``all_gather`` in
-:mod:`ddp_strategy.gather_shapes`; this module re-exports their public names.
+The calls themselves and their digests are in :mod:`ddp_strategy.collective_record`, when the heartbeat audits the
+recorded calls in :mod:`ddp_strategy.desync_audit`, the verdict computed from the reports in
+:mod:`ddp_strategy.desync_verdict`, how the ranks go down together after it in :mod:`ddp_strategy.desync_exit`, and
+the shape check before ``all_gather`` in :mod:`ddp_strategy.gather_shapes`; this module re-exports their public
+names.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ._compat.torch import collective_status, collective_trace
@@ -54,6 +58,8 @@ from .collective_record import (
     calls_from_trace,
 )
 from .control import ControlPlane, Store
+from .desync_audit import RecorderAudit
+from .desync_exit import HOLDING_KEY, RANK0_STOPPING_KEY, await_rank0, poll_pause, rank0_stopping
 from .desync_verdict import (
     INCOMPLETE,
     NO_VERDICT,
@@ -66,6 +72,7 @@ from .desync_verdict import (
 )
 from .errors import CollectiveMismatchError
 from .gather_shapes import check_gather_shapes
+from .store_barrier import POSITION_KEY
 
 __all__ = [
     "AUDIT_INTERVAL",
@@ -78,6 +85,7 @@ __all__ = [
     "DesyncMonitor",
     "LogSites",
     "RankReport",
+    "RecorderAudit",
     "calls_from_trace",
     "check_gather_shapes",
     "collective_wait",
@@ -91,15 +99,11 @@ log = logging.getLogger(__name__)
 STUCK_AFTER = 2.0
 _INQUIRY_KEY = "desync/inquiry"  # the number of the newest inquiry (opened with compare_set: one opener wins)
 _STUCK_KEY = "desync/stuck"  # how many ranks are stuck right now (each adds 1 when it gets stuck, -1 when it runs)
-_RANK0_STOPPING_KEY = "desync/rank0-stopping"  # rank 0 has printed the agreed error (it may exit any moment now)
 _REPORT_KEY = "desync/report/{inquiry}/{rank}"
 _REPORTED_KEY = "desync/reported/{inquiry}"  # how many ranks reported; the one that makes it W decides
 _VERDICT_KEY = "desync/verdict/{inquiry}"  # the decision, written once (compare_set), read by every rank
 _READ_KEY = "desync/read/{inquiry}"  # how many ranks have read the verdict; the last deletes it
-_HOLDING_KEY = "desync/holding"  # how many ranks hold the agreed error (rank 0 hosts the store: it waits for W)
-_AUDIT_KEY = "desync/audit/{rank}"
 _REPORTS_PER_READ = 16  # reports of about 150 KB: one batched read of 16 is a few MB
-_VERDICT_WAIT = 6.0  # seconds rank 0, before it exits, waits for the others to hold the verdict (the store is its)
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
 _BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
 _EXIT_CODE = 1
@@ -112,14 +116,6 @@ def _training_thread_in_torch() -> bool:
     """Whether the main thread's innermost Python frame is torch's own code (where it blocks in a collective)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     return frame is not None and _TORCH_DIR in frame.f_code.co_filename
-
-
-def _poll_pause(world_size: int) -> float:
-    """Seconds between two looks at one key by every rank: 50 ms up to 64 ranks, then longer in proportion.
-
-    All ranks together then look about 1300 times a second, whatever their number.
-    """
-    return 0.05 * max(1.0, world_size / 64)
 
 
 def _open(store: Store, seen: int) -> int:
@@ -139,13 +135,6 @@ def _decide(store: Store, inquiry: int, world_size: int) -> None:
         store.delete_key(key)
 
 
-def _holding(store: Store) -> set[int]:
-    """The ranks that hold the agreed error (one key)."""
-    if not store.check([_HOLDING_KEY]):
-        return set()
-    return {int(line) for line in store.get(_HOLDING_KEY).decode().split()}
-
-
 class DesyncMonitor:
     """Watches one rank's collectives on its heartbeat thread and takes part in inquiries; see the module docs.
 
@@ -156,7 +145,7 @@ class DesyncMonitor:
             without it, the epoch and batches started that the strategy noted with each training step.
         ledger: the count and digest of the strategy's own collectives, compared with the next rank's each beat.
         stuck_after: seconds of an unchanged wait before this rank counts as stuck.
-        audit_interval: seconds between two audits of the recorded collectives (:class:`CallAudit`).
+        audit_interval: the longest time between two audits of the recorded collectives (:class:`RecorderAudit`).
 
     """
 
@@ -176,24 +165,26 @@ class DesyncMonitor:
         self.ledger = ledger if ledger is not None else CallLedger()
         self._ledger_inquired = False
         self.stuck_after = stuck_after
-        self.audit = CallAudit()
-        self.audit_interval = audit_interval
-        self._next_audit = time.monotonic() + audit_interval
+        #: the audit of the recorded collectives (calls the backend pairs silently)
+        self.recorder = RecorderAudit(control.rank, control.world_size, interval=audit_interval)
         self._next_look = 0.0  # the next look at the next rank's ledger and audit (once per heartbeat interval)
-        self._audited_status: dict[str, tuple[int, int]] = {}
         self._audit_inquired: set[tuple[str, int]] = set()
-        self._audit_lock = threading.Lock()
         self._wait: tuple[str, float] = ("", 0.0)
+        # (position, ledger) at the last beat: the training thread moved on when either changed (None: no beat yet)
+        self._mark: tuple[object, tuple[int, int]] | None = None
+        self._skipped_at = 0.0  # when the last beat skipped the counters (the training thread had moved on)
+        self._peer_key = POSITION_KEY.format(rank=(control.rank + 1) % control.world_size)
         self._answered = 0  # the last inquiry this rank answered
         self._counted_stuck = False  # whether this rank counts itself in the store's count of stuck ranks
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
         self._verdict_at: float | None = None
         self._shown = False  # this rank printed the agreed error already
         self._lock = threading.Lock()
-        control.forget_at_close(_AUDIT_KEY.format(rank=control.rank))
-        control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, _HOLDING_KEY, _RANK0_STOPPING_KEY, shared=True)
+        control.forget_at_close(self.recorder.key)
+        control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, HOLDING_KEY, RANK0_STOPPING_KEY, shared=True)
         for counter in (_INQUIRY_KEY, _STUCK_KEY):  # both exist from now on: a beat reads them in one round trip
             control.store.add(counter, 0)
+        collective_trace()  # the first dump with stacks is the slowest: here, before training, on the training thread
         control.heartbeat.add_beat(self.beat)
 
     # ------------------------------------------------------------------ watching
@@ -210,19 +201,38 @@ class DesyncMonitor:
             return self._wait
         return (what, now) if what else ("", 0.0)
 
+    def _watched_wait(self) -> tuple[str, float]:
+        """At a beat: :meth:`_current_wait`, unless the training thread moved on since the last beat (cheap).
+
+        A new training step, barrier or strategy collective since the last beat means that it waits in nothing for
+        long yet: the recorder's counters are not read. A wait seen at the next beat then counts from the skipped
+        beat (it may have begun before it, where reading the counters would have seen it).
+        """
+        mark, last = (self.control.heartbeat.position, self.ledger.state), self._mark
+        moved = last is not None and (mark[0] is not last[0] or mark[1] != last[1])  # the first beat reads them
+        self._mark = mark
+        skipped_at, self._skipped_at = self._skipped_at, 0.0
+        if moved and self.control.in_barrier is None:
+            self._skipped_at = time.time()
+            return ("", 0.0)
+        what, since = self._current_wait()
+        backdated = what.startswith("collective ") and 0 < skipped_at < since  # a barrier knows its own start
+        return (what, skipped_at) if backdated else (what, since)
+
     def beat(self, store: Store) -> None:
         """One heartbeat: update this rank's wait, answer an inquiry, open one when every rank is stuck."""
         control = self.control
-        self._wait = self._current_wait()
+        self._wait = self._watched_wait()
         what, since = self._wait
-        stuck = bool(what) and time.time() - since >= self.stuck_after
+        waited = time.time() - since
+        stuck = bool(what) and waited >= self.stuck_after
         control.heartbeat.set_waiting(what if stuck else "", since if stuck else 0.0)
         # answer inquiries quickly while one may come; once every rank answered one for this very wait without
         # finding a divergence (a long checkpoint write, a slow loader), none is reopened for it: beat at the normal
         # pace again (after a verdict, fast: the ranks leave in order, rank 0 first, see `_break_if_blocked`)
         control.heartbeat.fast_beat = (
             bool(what)
-            and time.time() - since >= self.stuck_after / 2
+            and waited >= self.stuck_after / 2
             and (what not in self._inquired or control.desync_error is not None)
         )
         if control.desync_error is not None:
@@ -232,7 +242,10 @@ class DesyncMonitor:
         if stuck != self._counted_stuck:  # every rank counts itself in while stuck: "all stuck" is one counter
             store.add(_STUCK_KEY, 1 if stuck else -1)
             self._counted_stuck = stuck
-        inquiry, stuck_ranks = (int(value) for value in store.multi_get([_INQUIRY_KEY, _STUCK_KEY]))
+        look = time.monotonic() >= self._next_look  # a fast beat watches for inquiries only
+        peer = look and store.check([self._peer_key])  # the next rank's position: absent before its first heartbeat
+        values = store.multi_get([_INQUIRY_KEY, _STUCK_KEY] + ([self._peer_key] if peer else []))  # one round trip
+        inquiry, stuck_ranks = int(values[0]), int(values[1])
         if inquiry > self._answered:
             self._answer(store, inquiry)
             return
@@ -240,66 +253,46 @@ class DesyncMonitor:
             self._inquired.add(what)  # every rank waits: whether they wait for each other, the reports tell
             self._answer(store, _open(store, inquiry))
             return
-        now = time.monotonic()
-        if now < self._next_look:  # a fast beat watches for inquiries only: the looks at a peer keep their pace
+        if not look:
             return
-        self._next_look = now + control.heartbeat.interval
-        if not self._ledger_inquired and self._ledger_differs(store):
+        self._next_look = time.monotonic() + control.heartbeat.interval
+        if not self._ledger_inquired and len(values) > 2 and self._ledger_differs(json.loads(values[2])):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, _open(store, inquiry))
             return
-        if time.monotonic() >= self._next_audit:
-            difference = self._audit(store)
-            self._next_audit = time.monotonic() + self.audit_interval
+        if self.recorder.due():
+            difference = self.recorder.compare(store)
             if difference is not None and difference not in self._audit_inquired:
                 self._audit_inquired.add(difference)  # once per call: the verdict names it
                 self._answer(store, _open(store, inquiry))
 
     # ------------------------------------------------------------------ auditing
     def update_audit(self) -> dict[str, list[Any]]:
-        """Add the recorder's new calls to :attr:`audit` (one dump with stacks) and return its publication."""
-        with self._audit_lock:
-            status = collective_status()
-            if status != self._audited_status:
-                self._audited_status = status
-                newest = self.audit.newest
-                entries = [
-                    e
-                    for e in collective_trace()
-                    if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
-                ]
-                # no notes: what a call was must come from its own stack, the same on every rank at any time
-                self.audit.add(calls_from_trace(entries))
-            return self.audit.publication()
+        """Add the recorder's new calls to the audit (one dump with stacks) and return its publication."""
+        return self.recorder.update()
 
-    def _audit(self, store: Store) -> tuple[str, int] | None:
-        """Publish this rank's digests; the first call whose digest differs from the next rank's, if any."""
-        control = self.control
-        before = dict(self.audit.newest)
-        publication = self.update_audit()
-        if self.audit.newest != before:
-            store.set(_AUDIT_KEY.format(rank=control.rank), json.dumps(publication))
-        peer = _AUDIT_KEY.format(rank=(control.rank + 1) % control.world_size)
-        if not store.check([peer]):
-            return None
-        return self.audit.first_difference(json.loads(store.get(peer)))
+    def audit_now(self) -> None:
+        """As a training epoch starts: audit the recorder's calls now (see :meth:`RecorderAudit.dump_now`)."""
+        self.recorder.dump_now()
 
-    def _ledger_differs(self, store: Store) -> bool:
-        """Whether the next rank's strategy collectives differ from this rank's at the count it reached."""
-        peer = (self.control.rank + 1) % self.control.world_size
-        position = self.control.heartbeat.read_position(store, peer)
-        if position is None or position.calls == 0 or position.calls > self.ledger.state[0]:
+    def _ledger_differs(self, peer: dict[str, Any]) -> bool:
+        """Whether the next rank's strategy collectives differ from this rank's at the count it reached.
+
+        Args:
+            peer: the next rank's published :class:`~ddp_strategy.positions.Position` as JSON data (its ``calls``
+                and ``digest`` are read).
+
+        """
+        calls, digest = int(peer.get("calls") or 0), int(peer.get("digest") or 0)
+        if calls == 0 or calls > self.ledger.state[0]:
             return False
-        mine = self.ledger.digest_at(position.calls)
-        return mine is not None and mine != position.digest
+        mine = self.ledger.digest_at(calls)
+        return mine is not None and mine != digest
 
     # ------------------------------------------------------------------ inquiring
     def report(self) -> RankReport:
         """This rank's report: its newest calls (with stacks: costly), its wait, its progress."""
-        calls = calls_from_trace(collective_trace(), self.notes)
-        newest: list[CollectiveCall] = []
-        for group in sorted({c.group for c in calls}):
-            newest.extend([c for c in calls if c.group == group][-REPORT_CALLS:])
+        newest = self.recorder.report_calls(self.notes, REPORT_CALLS)
         what, since = self._current_wait()
         epoch, epoch_batch = self.control.heartbeat.progress
         if self.progress is not None:
@@ -349,7 +342,7 @@ class DesyncMonitor:
                 if time.monotonic() > deadline or self.control.heartbeat.failures_published(store) > own_failure:
                     store.compare_set(key, "", INCOMPLETE)  # a rank that failed or went silent never reports
                     break
-                time.sleep(_poll_pause(world))
+                time.sleep(poll_pause(world))
             text = store.get(key).decode()
             error = verdict_from_json(text)
             if text == NO_VERDICT and report.waiting:
@@ -366,7 +359,7 @@ class DesyncMonitor:
             if self.control.desync_error is None:
                 self.control.desync_error = error
                 self._verdict_at = time.monotonic()
-                store.append(_HOLDING_KEY, f"{rank}\n")  # rank 0 hosts the store: it waits for every rank's
+                store.append(HOLDING_KEY, f"{rank}\n")  # rank 0 hosts the store: it waits for every rank's
                 if self._current_wait()[0].startswith("collective "):
                     # blocked inside the backend: it may be killed (a launcher stopping the job when another rank
                     # exits) before it can raise, so it shows the error now
@@ -382,15 +375,6 @@ class DesyncMonitor:
                 f"[rank{rank}]: ddp_strategy.errors.{type(error).__name__}: {text[len(f'[rank{rank}]: ') :]}\n"
             )
             sys.stderr.flush()
-
-    def _a_silent_rank_among(self, store: Store, ranks: Sequence[int]) -> bool:
-        """Whether one of ``ranks`` failed or stopped its heartbeat: it never will do what is awaited of it."""
-        if not ranks:
-            return False
-        positions = self.control.heartbeat.read_positions(store, ranks)
-        now = time.time()
-        stale = max(2.0, 4 * self.control.heartbeat.interval)
-        return any(p is None or p.kind == "failed" or now - p.heartbeat > stale for p in positions.values())
 
     def inquire(self) -> CollectiveMismatchError | None:
         """Open an inquiry from the training thread (after a backend error) and return the verdict, if any."""
@@ -437,44 +421,10 @@ class DesyncMonitor:
     def rank0_stopping(self, store: Store | None = None, *, await_verdicts: bool = True) -> None:
         """On rank 0, before it exits with the agreed error: let the others take the verdict, then say it stops.
 
-        Rank 0 hosts the store the inquiry's reports are in: a rank whose heartbeat thread has not read them yet when
-        rank 0 exits never learns the verdict and fails with the backend's unnamed "Connection reset by peer". So rank
-        0 first waits (at most ``_VERDICT_WAIT`` seconds, less when a rank without it has died) until every rank holds
-        the verdict. Best effort: the error being raised is what matters.
-
-        Args:
-            store: the store connection to use (the calling thread's own); the training thread's by default.
-            await_verdicts: ``False`` when every rank got the error from one gather (the end-of-stage comparison).
-
+        See :func:`~ddp_strategy.desync_exit.rank0_stopping`.
         """
-        store = store if store is not None else self.control.store
-        try:
-            if await_verdicts:
-                world = self.control.world_size
-                deadline = time.monotonic() + _VERDICT_WAIT
-                next_look = time.monotonic()
-                while time.monotonic() < deadline:
-                    holding = _holding(store)
-                    if len(holding) >= world:
-                        break
-                    if time.monotonic() >= next_look:  # twice a second: whether a rank without it has died
-                        next_look = time.monotonic() + 0.5
-                        if self._a_silent_rank_among(store, [r for r in range(world) if r not in holding]):
-                            break
-                    time.sleep(0.05)
-            store.set(_RANK0_STOPPING_KEY, "1")
-        except Exception as err:  # the error being raised is what matters
-            log.debug("ddp_strategy: rank 0 could not announce its stop: %s", err)
+        rank0_stopping(self.control, store, await_verdicts=await_verdicts)
 
     def await_rank0(self, timeout: float = 3.0) -> None:
-        """On another rank, before it exits with the agreed error: wait (at most ``timeout``) until rank 0 showed it.
-
-        Under Lightning's subprocess launcher rank 0 is the parent of its node's other ranks and kills itself as
-        soon as one of them exits with an error; waiting lets rank 0 print the error first.
-        """
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline and not self.control.store.check([_RANK0_STOPPING_KEY]):
-                time.sleep(_poll_pause(self.control.world_size))
-        except Exception as err:  # rank 0's store is gone: it has exited already
-            log.debug("ddp_strategy: rank %d: rank 0's store is gone (%s)", self.control.rank, err)
+        """On another rank, before it exits with the agreed error: wait (at most ``timeout``) until rank 0 showed it."""
+        await_rank0(self.control, timeout)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from typing_extensions import override
 
+from ._compat.callback_hooks import skip_inherited_batch_hooks
 from ._compat.lightning import Callback, TrainerFn, add_callback, pl, rank_zero_info, rank_zero_warn, trainer_of
 from .control import ControlPlane
 from .errors import UnevenInputsError
@@ -42,6 +43,7 @@ class _ReloadedTrainingBatchesCheck(Callback):
 
     def __init__(self, check: Callable[[pl.Trainer], None]) -> None:
         self._check = check
+        skip_inherited_batch_hooks(self)  # Lightning passes over its per-batch hooks (it has none)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -168,6 +168,8 @@ class RunLifecycle:
         if self.control is not None:
             epoch = trainer.current_epoch if trainer is not None else None
             self.control.heartbeat.note_step(step, batch=batches, epoch=epoch, epoch_batch=batch_idx + 1)
+        if batch_idx == 0 and self.desync is not None:  # the previous epoch's last calls, once per epoch (~1 ms)
+            self.desync.audit_now()
 
     def raise_agreed_desync(self) -> None:
         """Raise the desync every rank agreed on, at this rank's next strategy hook (its ranks run on otherwise)."""

@@ -44,6 +44,8 @@ class WeightChecks:
                 norm_statistics=False,
             )
         )
+        if self.check is not None:
+            self.check.skip_idle_hooks()  # the strategy's own: nothing else calls its hooks
         self.track_trainable_set = options.track_trainable_set
         self._trainable: TrainableSetWatcher | None = None
         #: Training batches started in this fit (the same count on every rank).

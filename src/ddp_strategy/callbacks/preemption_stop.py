@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from typing_extensions import override
 
+from .._compat.callback_hooks import skip_inherited_batch_hooks
 from .._compat.lightning import (
     Callback,
     TrainerFn,
@@ -39,6 +40,7 @@ from ..preemption import (
     train_position,
     validation_position,
 )
+from ..store import Store
 
 __all__ = ["PreemptionHandling", "PreemptionStop"]
 
@@ -91,11 +93,13 @@ class PreemptionStop(Callback):
         self._finish_writes = finish_writes
         self._at_validation_start = at_validation_start
         self._last_step: int | None = None
+        self._train_store: Store | None = None  # the control plane's, for the boundaries of a fit
         self._validation_start: tuple[dict[str, Any], dict[str, Any]] | None = None
         # whether the checkpoint being written holds the RNG states of a validation's start
         self._rng_of_validation_start = False
         #: ``(where, path)`` of the stop, once it happened (``path``: the checkpoint, or ``None``).
         self.stopped: tuple[str, str | None] | None = None
+        skip_inherited_batch_hooks(self)  # Lightning passes over the per-batch hooks it has nothing to do in
 
     # ------------------------------------------------------------------ stage start and end
     def _forget_keys_at_close(self) -> None:
@@ -106,6 +110,8 @@ class PreemptionStop(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
+        control = self._control()
+        self._train_store = control.store if control is not None else None  # read at every step's end
         self._forget_keys_at_close()
 
     @override
@@ -194,7 +200,8 @@ class PreemptionStop(Callback):
         if step == self._last_step:  # no optimizer step in this batch (gradient accumulation): no boundary
             return
         self._last_step = step
-        if self._at(train_position(step), f"step {step}"):
+        store = self._train_store
+        if store is not None and self.agreement.at_boundary(store, train_position(step), f"step {step}"):
             if validation_runs_after_this_batch(trainer):
                 # every rank stops at the validation's first boundary instead: that checkpoint makes the resumed run
                 # run this validation, as the uninterrupted run does (Lightning >= 2.5 would skip it otherwise)

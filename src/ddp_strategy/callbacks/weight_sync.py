@@ -8,10 +8,14 @@ from typing import Any, Literal
 from torch import Tensor
 from typing_extensions import override
 
+from .._compat.callback_hooks import restore_hooks, skip_hooks, skip_inherited_batch_hooks
 from .._compat.lightning import Callback, pl, rank_zero_warn
 from ..consistency import WeightAgreement
 
 __all__ = ["WeightSyncCheck"]
+
+#: the hooks of the periodic check (``every_n_steps``)
+_PERIODIC = ("on_train_batch_end",)
 
 
 class WeightSyncCheck(Callback):
@@ -62,6 +66,7 @@ class WeightSyncCheck(Callback):
             raise ValueError(f"`every_n_steps` must be a positive integer or None, got {every_n_steps!r}.")
         if on_mismatch not in ("raise", "warn"):
             raise ValueError(f"`on_mismatch` must be 'raise' or 'warn', got {on_mismatch!r}.")
+        self._skip_idle = False
         self.every_n_steps = every_n_steps
         self.on_mismatch = on_mismatch
         self.at_epoch_end = at_epoch_end
@@ -70,6 +75,31 @@ class WeightSyncCheck(Callback):
             exclude=exclude, include_optimizer_state=include_optimizer_state, norm_statistics=norm_statistics
         )
         self._last_checked = -1
+
+    @property
+    def every_n_steps(self) -> int | None:
+        """Check after every this many optimizer steps; ``None``: never during an epoch."""
+        return self._every_n_steps
+
+    @every_n_steps.setter
+    def every_n_steps(self, every_n_steps: int | None) -> None:
+        self._every_n_steps = every_n_steps
+        if self._skip_idle and every_n_steps is None:  # nothing to do at a batch end
+            skip_hooks(self, _PERIODIC, unless_overridden_below=WeightSyncCheck)
+        elif self._skip_idle:
+            restore_hooks(self, _PERIODIC)
+
+    def skip_idle_hooks(self) -> None:
+        """Let Lightning pass over the per-batch hooks while they have nothing to do: for the strategy's own check.
+
+        Those hooks are then ``None`` on this instance: the inherited ones always, ``on_train_batch_end`` while
+        :attr:`every_n_steps` is ``None``. Lightning skips a hook that is not callable, which saves its dispatch
+        (about 1 us per hook and step); the strategy does this for the check it adds itself, which nothing else
+        calls.
+        """
+        self._skip_idle = True
+        skip_inherited_batch_hooks(self)
+        self.every_n_steps = self._every_n_steps
 
     @property
     def exclude(self) -> tuple[str, ...]:
@@ -98,8 +128,11 @@ class WeightSyncCheck(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        every = self._every_n_steps
+        if every is None:
+            return
         step = trainer.global_step
-        if self.every_n_steps is None or step == 0 or step % self.every_n_steps or step == self._last_checked:
+        if step == 0 or step % every or step == self._last_checked:
             return
         self._last_checked = step
         self.check(trainer, pl_module)

@@ -1,0 +1,449 @@
+"""Pauses of the training thread caused by SafeDDPStrategy's background threads: stock DDPStrategy beside it.
+
+Usage: python bench/step_pauses.py [--steps N] [--rounds N] [--results-dir DIR]
+
+Issue 30 asks that the strategy's background work never pause the training thread for more than 1 ms. Python
+threads share one GIL: while a background thread runs Python code or a C call that keeps the GIL (a Flight Recorder
+dump, ``pickle.loads``), the training thread cannot run; it gets the GIL back when the background thread blocks (a
+store operation, a sleep) or, for Python code only, after the switch interval (5 ms). In 2-rank fits of a tiny model
+(a step takes a few ms; one value logged with ``sync_dist=True`` per step), alternating stock ``DDPStrategy`` and
+``SafeDDPStrategy()`` at its defaults, rounds in turn, rank 0 records:
+
+* **the background threads' GIL holds**: a profile function on the strategy's threads (``ddp_strategy-*``) splits
+  their run into *stretches* between two calls that release the GIL (store operations, sleeps, waits); a stretch's
+  thread CPU time is how long that thread kept the GIL (a training thread wanting it waited at most that long), less
+  the profile function's own CPU per event (calibrated in the same process). The longest stretch, and the longest
+  single C call in one (its name), are reported;
+* **every Flight Recorder dump with stacks** (``collective_trace``): on which thread, its wall and CPU time, the
+  first one (the slowest, symbols loaded) included;
+* **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
+  backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
+  stock against safe (what the training thread saw, the machine's own noise included).
+
+Writes ``step_pauses.json`` and ``step_pauses.md`` into ``--results-dir`` (default ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import ddp_strategy.desync as desync_module  # noqa: E402
+import ddp_strategy.desync_audit as audit_module  # noqa: E402
+from bench.results_io import machine, write  # noqa: E402
+from ddp_strategy import SafeDDPStrategy  # noqa: E402
+from ddp_strategy._compat.torch import collective_trace_enabled  # noqa: E402
+from ddp_strategy.collective_record import TRACE_ENTRIES  # noqa: E402
+
+BATCH = 16
+WIDTH = 32
+BATCHES_PER_EPOCH = 500
+
+
+def releases_gil(call: Any) -> str:
+    """Whether a C call (a profile event's ``arg``) lets the GIL go: ``"yes"`` (a store operation, a sleep),
+    ``"if it blocks"`` (a lock's ``acquire``: only a contended one waits without the GIL), else ``""``.
+
+    A background stretch of GIL hold ends at each such call.
+    """
+    owner = getattr(call, "__self__", None)
+    name = getattr(call, "__name__", "")
+    if owner is time and name == "sleep":
+        return "yes"
+    # a torch binding (its `__self__` is pybind11's function record): the store's operations let the GIL go
+    if type(owner).__name__.startswith("pybind11") and name in STORE_OPERATIONS:
+        return "yes"
+    if name in ("acquire", "acquire_lock") and type(owner).__name__ in ("lock", "RLock"):
+        return "if it blocks"
+    return ""
+
+
+#: the rendezvous store's operations (torch bindings that let the GIL go while they wait for the store)
+STORE_OPERATIONS = {
+    *("set", "get", "check", "add", "multi_get", "multi_set", "compare_set", "append", "delete_key", "wait"),
+}
+#: a lock's ``acquire`` that took longer than this (wall seconds) waited, the GIL released
+BLOCKED_AFTER = 50e-6
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
+
+
+class Tiny(pl.LightningModule):
+    """Two small linear layers: a step of a few ms, most of it the framework's and the collectives'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = self.net(x).pow(2).mean()
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class HookClock(Callback):
+    """The time of every training-step hook; the gaps between consecutive ones after ``warmup`` steps."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.gaps: list[float] = []
+        self._last: float | None = None
+        self._first = False  # in an epoch's first batch (the strategy's once-per-epoch audit dump: not counted)
+
+    def _tick(self, trainer: pl.Trainer) -> None:
+        now = time.perf_counter()
+        if trainer.global_step >= self.warmup and self._last is not None and not self._first:
+            self.gaps.append(now - self._last)
+        self._last = now
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last = None  # the epoch's end (and the weight agreement) is not a training step
+
+
+def _hook(name: str) -> Callable[..., None]:
+    def hook(self: HookClock, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._tick(trainer)
+
+    hook.__name__ = name
+    return hook
+
+
+for _name in HOOKS[1:]:
+    setattr(HookClock, _name, _hook(_name))
+
+
+def _batch_start(self: HookClock, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    self._first = batch_idx == 0
+    self._tick(trainer)
+
+
+HookClock.on_train_batch_start = _batch_start  # type: ignore[method-assign]
+
+
+class Holds:
+    """The strategy's background threads' GIL-holding stretches, from a profile function on those threads."""
+
+    def __init__(self, event_cost: float) -> None:
+        self.event_cost = event_cost  # the profile function's own CPU per event
+        self.longest: dict[str, Any] = {"cpu_s": 0.0}
+        self.stretches = 0
+        self.over_1ms = 0
+        self.longest_c_call: dict[str, Any] = {"cpu_s": 0.0}
+        self.recording = False
+        self._local = threading.local()
+
+    def profile(self, frame: Any, event: str, arg: Any) -> None:
+        local = self._local
+        if not hasattr(local, "mine"):
+            local.mine = threading.current_thread().name.startswith("ddp_strategy-")
+            local.start, local.events, local.began = time.thread_time(), 0, "thread start"
+            local.c_start, local.c_wall, local.c_events = 0.0, 0.0, 0
+        if not local.mine:
+            return
+        local.events += 1
+        if event == "c_call":
+            local.c_start, local.c_wall, local.c_events = time.thread_time(), time.perf_counter(), local.events
+        elif event in ("c_return", "c_exception"):
+            now = time.thread_time()
+            releases = releases_gil(arg)
+            if releases == "yes" or (releases and time.perf_counter() - local.c_wall > BLOCKED_AFTER):
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                self._close(local, local.c_start, local.c_events, where)  # it ended as the call let the GIL go
+                local.start, local.events, local.began = now, 0, where
+            elif self.recording and now - local.c_start > self.longest_c_call["cpu_s"]:
+                owner = getattr(arg, "__self__", None)
+                where = getattr(owner, "__name__", type(owner).__name__) if owner is not None else ""
+                where = "" if where.startswith("pybind11") else where  # a torch binding: its name says it
+                name = getattr(arg, "__name__", "?")
+                self.longest_c_call = {"cpu_s": now - local.c_start, "call": f"{where}.{name}".lstrip(".")}
+
+    def _close(self, local: Any, end: float, events: int, where: str) -> None:
+        held = max(0.0, end - local.start - self.event_cost * events)
+        if self.recording:
+            self.stretches += 1
+            self.over_1ms += held > 1e-3
+            if held > self.longest["cpu_s"]:
+                thread = threading.current_thread().name
+                self.longest = {"cpu_s": held, "thread": thread, "events": events, "from": local.began, "to": where}
+
+
+def calibrate_profile(holds: Holds, rounds: int = 200000) -> float:
+    """CPU seconds the profile function adds per event, on a thread it watches (one named ``ddp_strategy-*``)."""
+
+    def work() -> None:
+        for _ in range(rounds):
+            len("")  # one C call: two events
+
+    result: list[float] = []
+
+    def run() -> None:
+        start = time.thread_time()
+        work()
+        plain = time.thread_time() - start
+        sys.setprofile(holds.profile)
+        start = time.thread_time()
+        work()
+        profiled = time.thread_time() - start
+        sys.setprofile(None)
+        result.append((profiled - plain) / (2 * rounds))
+
+    thread = threading.Thread(target=run, name="ddp_strategy-calibration")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+class Dumps:
+    """Every ``collective_trace`` call (a dump with stacks): thread, wall and CPU seconds, whether in training."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.training = False
+
+    def wrap(self, dump: Callable[[], Any]) -> Callable[[], Any]:
+        @functools.wraps(dump)
+        def timed() -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return dump()
+            finally:
+                self.calls.append(
+                    {
+                        "thread": threading.current_thread().name,
+                        "wall_s": time.perf_counter() - wall,
+                        "cpu_s": time.thread_time() - cpu,
+                        "during_training": self.training,
+                    }
+                )
+
+        return timed
+
+
+class Collections:
+    """Python's garbage collections in the training window: the longest (wall), its generation and thread.
+
+    A collection runs on the thread whose allocation triggered it and keeps the GIL: one triggered on a background
+    thread pauses the training thread for its whole length.
+    """
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.longest: dict[str, Any] = {"wall_s": 0.0}
+        self.count = 0
+        self._began = 0.0
+
+    def callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self.recording:
+            took = time.perf_counter() - self._began
+            self.count += 1
+            if took > self.longest["wall_s"]:
+                thread = threading.current_thread().name
+                self.longest = {"wall_s": took, "generation": info.get("generation"), "thread": thread}
+
+
+class Phase(Callback):
+    """Marks the training window (after ``warmup`` steps) for the holds and the dumps."""
+
+    def __init__(self, holds: Holds, dumps: Dumps, collections: Collections, warmup: int) -> None:
+        self.holds, self.dumps, self.collections, self.warmup = holds, dumps, collections, warmup
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        on = trainer.global_step >= self.warmup
+        self.holds.recording = self.dumps.training = self.collections.recording = on
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.holds.recording = self.dumps.training = self.collections.recording = False
+
+
+def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    clock = HookClock(warmup)
+    holds = Holds(event_cost)
+    dumps = Dumps()
+    originals = {m: m.collective_trace for m in (desync_module, audit_module)}
+    for module, dump in originals.items():
+        module.collective_trace = dumps.wrap(dump)  # type: ignore[attr-defined]
+    data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
+    collections = Collections()
+    gc.callbacks.append(collections.callback)
+    threading.setprofile(holds.profile)
+    started = time.perf_counter()
+    try:
+        trainer = pl.Trainer(
+            default_root_dir=root,
+            accelerator="cpu",
+            devices=2,
+            strategy=SafeDDPStrategy() if variant == "safe" else DDPStrategy(),
+            max_steps=warmup + steps,
+            callbacks=[clock, Phase(holds, dumps, collections, warmup)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        # the recorder on for both, at the strategy's size (the first process group of the process sets it)
+        with collective_trace_enabled(TRACE_ENTRIES):
+            trainer.fit(Tiny(), DataLoader(data, batch_size=BATCH))
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        gc.callbacks.remove(collections.callback)
+        for module, dump in originals.items():
+            module.collective_trace = dump  # type: ignore[attr-defined]
+    gaps = sorted(clock.gaps)
+    in_training = [d for d in dumps.calls if d["during_training"]]
+    background = [d for d in in_training if d["thread"].startswith("ddp_strategy-")]
+    training_thread = [d for d in in_training if not d["thread"].startswith("ddp_strategy-")]
+    return {
+        "variant": variant,
+        "steps": steps,
+        "seconds": time.perf_counter() - started,
+        "hook_gaps": {
+            "count": len(gaps),
+            "median_s": statistics.median(gaps),
+            "p999_s": gaps[min(len(gaps) - 1, int(0.999 * len(gaps)))],
+            "max_s": gaps[-1],
+        },
+        "background_holds": {
+            "stretches": holds.stretches,
+            "over_1ms": holds.over_1ms,
+            "longest": holds.longest,
+            "longest_c_call": holds.longest_c_call,
+        },
+        "garbage_collections": {"count": collections.count, "longest": collections.longest},
+        "dumps": {
+            "all": dumps.calls,
+            "first": dumps.calls[0] if dumps.calls else None,
+            "during_training": len(in_training),
+            "background": len(background),
+            "longest_background_wall_s": max((d["wall_s"] for d in background), default=0.0),
+            "longest_background_cpu_s": max((d["cpu_s"] for d in background), default=0.0),
+            # as each epoch starts, on the training thread (its own work, once per epoch, not a background pause)
+            "training_thread": len(training_thread),
+            "longest_training_thread_wall_s": max((d["wall_s"] for d in training_thread), default=0.0),
+        },
+    }
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    machine = result["machine"]
+    lines = [
+        f"Measured {result['date']} on {machine['platform']}, torch {machine['torch']}, Lightning "
+        f"{machine['lightning']}: 2 ranks (Lightning's launcher, gloo), a {WIDTH}-wide two-layer model, batch "
+        f"{BATCH}, one value logged with `sync_dist=True` per step, {result['warmup']} warm-up steps then "
+        f"{result['steps']} steps per fit; stock `DDPStrategy` and `SafeDDPStrategy()` at its defaults alternate, "
+        f"{result['rounds']} round(s); rank 0's figures. Profile function's own CPU per event, subtracted: "
+        f"{result['profile_event_cost_s'] * 1e6:.2f} us.",
+        "",
+        "| round | variant | median step-hook gap (ms) | 99.9th percentile (ms) | longest gap (ms) | "
+        "background GIL stretches | longest stretch (ms, thread, between the calls that let the GIL go) "
+        "| stretches over 1 ms | longest C call in one "
+        "(ms) | recorder dumps on background threads in training (longest, ms wall / CPU) | on the training thread "
+        "as epochs start (longest, ms wall) | longest garbage collection (ms, generation, thread) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["fits"]:
+        gaps, holds, dumps = row["hook_gaps"], row["background_holds"], row["dumps"]
+        longest = holds["longest"]
+        stretch = (
+            f"{longest['cpu_s'] * 1e3:.3f} ({longest.get('thread', '-')}, from {longest.get('from')} to "
+            f"{longest.get('to')})"
+            if holds["stretches"]
+            else "-"
+        )
+        call = holds["longest_c_call"]
+        call_text = f"{call['cpu_s'] * 1e3:.3f} (`{call['call']}`)" if holds["stretches"] else "-"
+        dump_text = (
+            f"{dumps['background']} ({dumps['longest_background_wall_s'] * 1e3:.3f} / "
+            f"{dumps['longest_background_cpu_s'] * 1e3:.3f}) | {dumps['training_thread']} "
+            f"({dumps['longest_training_thread_wall_s'] * 1e3:.3f})"
+            if row["variant"] == "safe"
+            else "- | -"
+        )
+        collected = row["garbage_collections"]["longest"]
+        gc_text = (
+            f"{collected['wall_s'] * 1e3:.1f} ({collected['generation']}, {collected['thread']})"
+            if row["garbage_collections"]["count"]
+            else "-"
+        )
+        lines.append(
+            f"| {row['round']} | {row['variant']} | {gaps['median_s'] * 1e3:.3f} | {gaps['p999_s'] * 1e3:.3f} | "
+            f"{gaps['max_s'] * 1e3:.3f} | {holds['stretches'] if row['variant'] == 'safe' else '-'} | {stretch} | "
+            f"{holds['over_1ms'] if row['variant'] == 'safe' else '-'} | {call_text} | {dump_text} | {gc_text} |"
+        )
+    firsts = [row["dumps"]["first"] for row in result["fits"] if row["variant"] == "safe" and row["dumps"]["first"]]
+    lines += [
+        "",
+        "The first recorder dump with stacks of each safe fit (before training, in the strategy's set-up):",
+        "",
+    ]
+    for row, first in zip([r for r in result["fits"] if r["variant"] == "safe"], firsts, strict=False):
+        lines.append(
+            f"- round {row['round']}: thread `{first['thread']}`, {first['wall_s'] * 1e3:.2f} ms wall, "
+            f"{first['cpu_s'] * 1e3:.2f} ms CPU, during training: {first['during_training']}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    scratch = tempfile.mkdtemp(prefix="step-pauses-")
+    event_cost = calibrate_profile(Holds(0.0))
+    fits = []
+    for round_ in range(1, args.rounds + 1):
+        for variant in ("stock", "safe") if round_ % 2 else ("safe", "stock"):
+            row = fit(variant, args.steps, args.warmup, scratch, event_cost)
+            fits.append({"round": round_, **row})
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    result = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "profile_event_cost_s": event_cost,
+        "fits": fits,
+        **machine(),
+    }
+    write(args.results_dir, "step_pauses", result, render(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""``RecorderAudit``: when one rank audits its recorded collectives, within a budget of CPU and of GIL time.
+
+The audit of calls the backend pairs silently (:class:`~ddp_strategy.collective_record.CallAudit`) needs the
+Flight Recorder's entries with their stacks, and a dump of the recorder is one C++ call that holds the GIL for its
+whole length, about 5 us per entry kept (15 us with cold caches) whatever is new in it. So:
+
+* the recorder keeps few entries (:data:`~ddp_strategy.collective_record.TRACE_ENTRIES`), which bounds each dump's
+  hold of the GIL (the training thread waits that long for it at most);
+* the heartbeat thread dumps when half of the entries kept will be calls it has not seen, at the rate of calls
+  since its last dump (read from the recorder's cheap counters then), and at the latest
+  :data:`~ddp_strategy.collective_record.AUDIT_INTERVAL` after it, so that every call is audited while calls are
+  few;
+* and never sooner after a dump than that dump's CPU time divided by :data:`AUDIT_CPU_SHARE`: with many calls a
+  second the audit samples them (each dump audits the newest entries) instead of taking more of the CPU.
+
+The calls each dump adds are kept (the newest :data:`~ddp_strategy.collective_record.REPORT_CALLS` per group) for
+the reports of an inquiry.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from ._compat.torch import collective_status, collective_trace
+from .collective_record import (
+    AUDIT_INTERVAL,
+    TRACE_ENTRIES,
+    CallAudit,
+    CallNotes,
+    CollectiveCall,
+    calls_from_trace,
+    first_published_difference,
+)
+from .store import Store
+
+__all__ = ["AUDIT_CPU_SHARE", "RecorderAudit"]
+
+#: The share of one CPU the audit's dumps may take on average (1e-4: 100 us per second).
+AUDIT_CPU_SHARE = 1e-4
+_AUDIT_KEY = "desync/audit/{rank}"
+_PARSED_AT_ONCE = 16  # entries parsed between two short sleeps (the GIL let go)
+_YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
+
+
+class RecorderAudit:
+    """One rank's audit of its recorded collectives against the next rank's; see the module docs.
+
+    Args:
+        rank: this rank.
+        world_size: the number of ranks.
+        interval: the longest time between two audits while the recorder has new calls.
+        entries: the entries the recorder keeps.
+        cpu_share: the share of one CPU the dumps may take on average.
+
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        interval: float = AUDIT_INTERVAL,
+        entries: int = TRACE_ENTRIES,
+        cpu_share: float = AUDIT_CPU_SHARE,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.interval = interval
+        self.entries = entries
+        self.cpu_share = cpu_share
+        #: the digests (and calls) of the recorded collectives audited so far
+        self.calls = CallAudit()
+        #: the store key this rank publishes its digests under
+        self.key = _AUDIT_KEY.format(rank=rank)
+        self._status: dict[str, tuple[int, int]] = {}  # the recorder's counters at the last dump
+        self._unpublished = False  # a dump added calls since this rank last published its digests
+        self._next = time.monotonic() + interval  # the heartbeat's next dump
+        self._counted = (time.monotonic(), 0)  # (when, calls recorded by then) at the heartbeat's last dump
+        self._lock = threading.Lock()
+
+    def due(self) -> bool:
+        """Whether the heartbeat should audit now: a dump is due, or one made elsewhere is not yet published."""
+        return self._unpublished or time.monotonic() >= self._next
+
+    def _dump(self, *, wait: bool = True) -> int | None:
+        """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made.
+
+        The GIL is let go between the dump and the parsing, and between chunks of it (a short sleep), so that a
+        training thread waiting for it never waits longer than the longest of these parts. ``wait=False``: ``None``
+        at once when another thread is dumping.
+        """
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            status = collective_status()
+            if status != self._status:
+                self._status = status
+                time.sleep(_YIELD)
+                recorded = collective_trace()
+                time.sleep(_YIELD)
+                newest = self.calls.newest
+                entries = [
+                    e
+                    for e in recorded
+                    if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
+                ]
+                for start in range(0, len(entries), _PARSED_AT_ONCE):
+                    if start:
+                        time.sleep(_YIELD)
+                    # no notes: what a call was must come from its own stack, the same on every rank at any time
+                    self.calls.add(calls_from_trace(entries[start : start + _PARSED_AT_ONCE]))
+                self._unpublished = True
+            return sum(enqueued for enqueued, _ in status.values())
+        finally:
+            self._lock.release()
+
+    def update(self) -> dict[str, list[Any]]:
+        """Add the recorder's new calls now and return this rank's publication (published at the next beat).
+
+        Called by the training thread at a stage's end.
+        """
+        self._dump()
+        with self._lock:
+            return self.calls.publication()
+
+    def dump_now(self) -> None:
+        """Add the recorder's new calls now, whatever the budget, unless the heartbeat thread is dumping them.
+
+        Called by the training thread as each training epoch starts (the previous epoch's last calls: its end hooks,
+        its validation): once per epoch. Published at the next beat.
+        """
+        self._dump(wait=False)
+
+    def compare(self, store: Store) -> tuple[str, int] | None:
+        """On the heartbeat thread: audit when due; after new calls, publish and compare with the next rank's.
+
+        Returns the first call whose digest differs. After its dump the next one comes when half of the entries
+        kept will be new at the rate of calls since the last, at the latest ``interval`` later, and no sooner than
+        the dump's CPU time allows (``cpu_share``). A rank compares when it publishes: of two ranks that audited the
+        same calls, the one that publishes second finds a difference.
+        """
+        now = time.monotonic()
+        if now >= self._next:
+            start = time.thread_time()
+            calls = self._dump() or 0
+            took = time.thread_time() - start
+            then, counted = self._counted
+            rate = (calls - counted) / max(now - then, 1e-3)
+            gap = min(self.interval, self.entries / 2 / rate) if rate > 0 else self.interval
+            self._counted = (now, calls)
+            self._next = now + max(gap, took / self.cpu_share)
+        with self._lock:
+            if not self._unpublished:
+                return None
+            self._unpublished = False
+            mine = self.calls.publication()
+        store.set(self.key, json.dumps(mine))
+        peer = _AUDIT_KEY.format(rank=(self.rank + 1) % self.world_size)
+        if not store.check([peer]):
+            return None
+        return first_published_difference([mine, json.loads(store.get(peer))])
+
+    def report_calls(self, notes: CallNotes, most: int) -> list[CollectiveCall]:
+        """This rank's newest calls for a report (with stacks: costly): the recorder's, after those audited before.
+
+        Per group at most ``most``, oldest first; ``what`` from ``notes`` where they name a call.
+        """
+        recorded = calls_from_trace(collective_trace(), notes)
+        fresh = {(c.group, c.seq) for c in recorded}
+        with self._lock:
+            audited = {group: list(kept) for group, kept in self.calls.calls.items()}
+        calls: list[CollectiveCall] = []
+        for group in sorted({c.group for c in recorded} | set(audited)):
+            older = [c for c in audited.get(group, ()) if (c.group, c.seq) not in fresh]
+            noted = [_with_note(c, notes) for c in older]
+            calls.extend(sorted(noted + [c for c in recorded if c.group == group], key=lambda c: c.seq)[-most:])
+        return calls
+
+
+def _with_note(call: CollectiveCall, notes: CallNotes) -> CollectiveCall:
+    """``call`` (audited without notes) with what ``notes`` say made it, where they name it."""
+    what = notes.lookup(round(call.created * 1e9))
+    return replace(call, what=what) if what else call

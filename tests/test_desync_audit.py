@@ -1,0 +1,304 @@
+"""The desync monitor's work kept off the training thread and within its budget (issue 30), same verdicts as before.
+
+Asserted without processes (fakes for the recorder and the control plane): the ledger's digest is the eager one
+though it is computed by the reading thread; the comparison of published digests finds the same call as the
+straightforward comparison it replaced; the audit's dumps come at the rate of calls and within the CPU budget, a
+dump made on the training thread is published at the next beat, and a report names calls the recorder no longer
+holds; a beat does not read the recorder while the training thread moves on, and a wait it then sees counts from
+the skipped beat; the strategy's ``reduce`` adds the same ledger text as before.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import ddp_strategy.desync as desync_module
+import ddp_strategy.desync_audit as audit_module
+from ddp_strategy.collective_calls import CollectiveCalls
+from ddp_strategy.collective_record import (
+    CallAudit,
+    CallLedger,
+    CallNotes,
+    CollectiveCall,
+    first_published_difference,
+)
+from ddp_strategy.desync import DesyncMonitor
+from ddp_strategy.desync_audit import RecorderAudit
+
+
+def test_the_ledger_digest_is_the_eager_one_computed_by_the_reading_thread():
+    ledger = CallLedger()
+    texts = [f"reduce training_step.x{i % 3} torch.float32[] mean" for i in range(50)]
+    adder = threading.Thread(target=lambda: [ledger.add(t) for t in texts])
+    adder.start()
+    while adder.is_alive():
+        ledger.state  # noqa: B018  # the heartbeat thread reads while the training thread adds
+    adder.join()
+    digest = 0
+    for i, text in enumerate(texts, 1):
+        digest = zlib.crc32(text.encode(), digest)
+        assert ledger.digest_at(i) == digest
+    assert ledger.state == (50, digest) and [n for n, _ in ledger.texts] == list(range(1, 51))
+    unread = CallLedger()
+    for i in range(5000):  # nothing reads it (no heartbeat): the adding thread settles, memory stays bounded
+        unread.add(str(i))
+    assert len(unread._pending) < 1024 and unread.state[0] == 5000
+
+
+def _old_first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]]]) -> tuple[str, int] | None:
+    """The comparison before issue 30 (one dict per publication and group), the reference."""
+    import array
+
+    def table(publication: Mapping[str, Sequence[Any]], group: str) -> dict[int, int]:
+        if group not in publication:
+            return {}
+        first, data = publication[group]
+        values = array.array("I")
+        values.frombytes(bytes.fromhex(str(data)))
+        return {int(first) + i: value for i, value in enumerate(values) if value}
+
+    for group in sorted({group for publication in publications for group in publication}):
+        tables = [table(publication, group) for publication in publications]
+        for seq in sorted(set().union(*tables)):
+            if len({t[seq] for t in tables if seq in t}) > 1:
+                return group, seq
+    return None
+
+
+def _publication(rng: random.Random) -> dict[str, list[Any]]:
+    import array
+
+    published = {}
+    for group in rng.sample(["0", "1", "2"], rng.randint(1, 3)):
+        first = rng.randint(1, 30)
+        values = array.array("I", (rng.choice([0, 7, 7, 7, 9]) for _ in range(rng.randint(0, 40))))
+        published[group] = [first, values.tobytes().hex()]
+    return published
+
+
+def test_the_comparison_of_published_digests_names_the_call_the_old_comparison_named():
+    rng = random.Random(30)
+    found = 0
+    for _ in range(3000):
+        publications = [_publication(rng) for _ in range(rng.randint(2, 4))]
+        expected = _old_first_published_difference(publications)
+        assert first_published_difference(publications) == expected, publications
+        found += expected is not None
+    assert 300 < found < 2700  # both outcomes were exercised
+
+
+def entry(seq: int, line: int, group: int = 0, created: int = 0) -> dict[str, Any]:
+    """A Flight Recorder entry of an all-reduce made at ``model.py:<line>``."""
+    return {
+        "pg_id": group,
+        "collective_seq_id": seq,
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[1]],
+        "input_dtypes": ["Float"],
+        "retired": True,
+        "time_created_ns": created or seq * 1000,
+        "frames": [{"name": "step", "filename": "/home/me/model.py", "line": line}],
+    }
+
+
+class FakeRecorder:
+    """The recorder's counters and entries (a ring of ``size``), and the number of dumps with stacks."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.entries: list[dict[str, Any]] = []
+        self.dumps = 0
+
+    def call(self, n: int = 1, line: int = 10) -> None:
+        for _ in range(n):
+            self.entries.append(entry(len(self.entries) + 1, line))
+
+    def status(self) -> dict[str, tuple[int, int]]:
+        return {"0": (len(self.entries), len(self.entries))} if self.entries else {}
+
+    def trace(self) -> list[dict[str, Any]]:
+        self.dumps += 1
+        return self.entries[-self.size :]
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> FakeRecorder:
+    fake = FakeRecorder()
+    monkeypatch.setattr(audit_module, "collective_status", fake.status)
+    monkeypatch.setattr(audit_module, "collective_trace", fake.trace)
+    return fake
+
+
+def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
+    recorder: FakeRecorder, monkeypatch: pytest.MonkeyPatch
+):
+    store = torch.distributed.HashStore()
+    clock = [100.0]
+    monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
+    audit = RecorderAudit(0, 2, interval=5.0, entries=8, cpu_share=1.0)
+    assert not audit.due()  # the first audit comes `interval` after the start at the latest
+    clock[0] += 5.0
+    recorder.call(10)  # 2 calls a second
+    assert audit.due() and audit.compare(store) is None and recorder.dumps == 1
+    assert audit._next == pytest.approx(clock[0] + 2.0)  # half of the 8 entries kept, at 2 calls a second
+    assert store.check([audit.key]) and audit.calls.newest == {"0": 10}
+    clock[0] += 2.0
+    recorder.call(40)  # 20 calls a second: the next dump in 0.2 s, unless the budget says later
+    audit.cpu_share = 1e-9  # the dump's CPU (thread time, > 0) allows none for a long time
+    audit.compare(store)
+    assert audit._next > clock[0] + 1000
+    clock[0] += 1.0
+    recorder.call(4, line=11)
+    assert not audit.due()  # sampled: the budget holds the heartbeat's dumps back
+    audit.dump_now()  # the training thread's dump as an epoch starts: whatever the budget
+    assert audit.due() and recorder.dumps == 3  # published at the next beat
+    mine = audit.compare(store)
+    assert mine is None and not audit.due()
+    recorder.call(2)
+    with audit._lock:  # the heartbeat thread is dumping: the training thread does not wait for it
+        training = threading.Thread(target=audit.dump_now)
+        training.start()
+        training.join(5.0)
+        assert not training.is_alive() and recorder.dumps == 3
+
+
+def test_a_rank_that_publishes_second_finds_the_call_its_peer_made_elsewhere(recorder: FakeRecorder):
+    store = torch.distributed.HashStore()
+    ranks = [RecorderAudit(rank, 2, interval=0.0, entries=8, cpu_share=1.0) for rank in (0, 1)]
+    recorder.call(3)
+    assert ranks[0].compare(store) is None  # rank 1 has not published yet
+    recorder.entries[-1]["frames"] = [{"name": "step", "filename": "/home/me/model.py", "line": 99}]
+    assert ranks[1].compare(store) == ("0", 3)  # rank 1's call #3 came from another line than rank 0's
+
+
+def test_a_report_names_calls_only_an_earlier_audit_saw(recorder: FakeRecorder):
+    recorder.size = 4
+    audit = RecorderAudit(0, 2, entries=4)
+    notes = CallNotes()
+    recorder.call(2)
+    note = notes.begin("self.log('x', sync_dist=True) in training_step")
+    recorder.entries.append(entry(3, 12, created=time.time_ns()))  # made inside the strategy's note
+    notes.end(note)
+    audit.update()  # audits 1-3, without notes
+    recorder.call(7)  # 4-10: the recorder holds 7-10 now
+    calls = audit.report_calls(notes, most=256)
+    assert [c.seq for c in calls] == [1, 2, 3, 7, 8, 9, 10]  # 4-6 left the recorder before an audit saw them
+    assert calls[2].what == "self.log('x', sync_dist=True) in training_step"
+    assert calls[2].site.endswith("model.py:12 in step") and calls[0].what == ""
+    assert [c.seq for c in audit.report_calls(notes, most=3)] == [8, 9, 10]
+
+
+class FakeHeartbeat:
+    interval = 1.0
+
+    def __init__(self) -> None:
+        self.position: object = object()
+
+    def add_beat(self, hook: Any) -> None:
+        pass
+
+
+class FakeControl:
+    rank, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.store = torch.distributed.HashStore()
+        self.heartbeat = FakeHeartbeat()
+        self.in_barrier: tuple[str, float] | None = None
+        self.desync_error = None
+
+    def forget_at_close(self, *keys: str, shared: bool = False) -> None:
+        pass
+
+
+def test_a_beat_reads_the_recorder_only_when_the_training_thread_did_not_move_on(monkeypatch: pytest.MonkeyPatch):
+    reads: list[int] = []
+    status = {"0": (7, 6)}  # collective #7 pending
+
+    def collective_status() -> dict[str, tuple[int, int]]:
+        reads.append(1)
+        return status
+
+    monkeypatch.setattr(desync_module, "collective_status", collective_status)
+    monkeypatch.setattr(desync_module, "collective_trace", list)
+    monkeypatch.setattr(desync_module, "_training_thread_in_torch", lambda: True)
+    control = FakeControl()
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    assert monitor._watched_wait() == ("collective 0#7", pytest.approx(time.time(), abs=5))  # no move since start
+    assert reads == [1]
+    reads.clear()
+    monitor._wait = ("", 0.0)
+    control.heartbeat.position = object()  # a new training step
+    assert monitor._watched_wait() == ("", 0.0) and reads == []
+    skipped = monitor._skipped_at
+    time.sleep(0.01)
+    what, since = monitor._watched_wait()  # no new step since: the counters are read
+    assert (what, since) == ("collective 0#7", skipped) and reads == [1]  # counted from the skipped beat
+    monitor._wait = (what, since)
+    assert monitor._watched_wait() == (what, since)  # unchanged: the same wait, the same start
+    monitor.ledger.add("reduce x torch.float32[] mean")  # a strategy collective: it moved on
+    assert monitor._watched_wait() == ("", 0.0) and reads == [1, 1]
+    control.in_barrier = ("barrier 3 'save'", 5.0)
+    control.heartbeat.position = object()  # a barrier is a new position, and a wait
+    assert monitor._watched_wait() == ("barrier 3 'save'", 5.0)
+
+
+def test_reduce_adds_the_ledger_text_it_added_before_and_keeps_it_per_logged_value(monkeypatch: pytest.MonkeyPatch):
+    calls = CollectiveCalls()
+    monitor: Any = SimpleNamespace(control=SimpleNamespace(desync_error=None), ledger=CallLedger())
+    calls.watched_by(monitor)
+    logged = [("training_step", "loss")]
+    monkeypatch.setattr("ddp_strategy.collective_calls.logged_metric_of_caller", lambda depth: logged[0])
+    calls.log_sites.sites[("training_step", "loss")] = "model.py:3 in training_step"
+    tensor = torch.zeros(())
+    ran = []
+    for op in ("mean", "mean", "sum"):
+        calls.reduce(lambda t, group, reduce_op: ran.append(reduce_op), tensor, None, op)
+    expected = [
+        f"reduce training_step.loss {tensor.dtype}{list(tensor.shape)} mean",  # the text before issue 30
+        f"reduce training_step.loss {tensor.dtype}{list(tensor.shape)} mean",
+        f"reduce training_step.loss {tensor.dtype}{list(tensor.shape)} sum",
+    ]
+    assert [what for _, what in monitor.ledger.texts] == expected and ran == ["mean", "mean", "sum"]
+    assert len(calls._texts) == 2
+    logged[0] = ("on_train_epoch_end", "acc")  # its line not known yet: not kept, the note may still gain it
+    calls.reduce(lambda t, group, reduce_op: None, tensor, None, "mean")
+    assert len(calls._texts) == 2 and monitor.ledger.state[0] == 4
+    assert calls.notes.lookup(time.time_ns()) == ""  # every note closed
+    # inside `self.log(..., sync_dist=True)` (a step value): named by the call, without a look at the stack
+    monkeypatch.setattr("ddp_strategy.collective_calls.logged_metric_of_caller", lambda depth: 1 / 0)
+    calls.log_sites.current = ("training_step", "loss")
+    calls.reduce(lambda t, group, reduce_op: None, tensor, None, "mean")
+    assert monitor.ledger.texts[-1][1] == expected[0]
+
+
+def test_the_logged_value_is_known_inside_its_log_call_only():
+    from ddp_strategy.collective_record import LogSites
+
+    seen: list[Any] = []
+    sites = LogSites()
+    module = SimpleNamespace(_current_fx_name="training_step")
+    module.log = lambda name, value, **kwargs: seen.append(sites.current)  # Lightning's log, which syncs now
+    sites.install(module)
+    module.log("loss", 1.0, sync_dist=True)
+    module.log("acc", 1.0)  # no sync: not a value the strategy reduces
+    assert seen == [("training_step", "loss"), None] and sites.current is None
+    assert sites.sites[("training_step", "loss")].endswith(
+        " in test_the_logged_value_is_known_inside_its_log_call_only"
+    )
+    sites.uninstall()
+
+
+def test_collective_call_history_is_kept_per_group():
+    audit = CallAudit()
+    audit.add([CollectiveCall("0", seq, "all_reduce", ((1,),), ("Float",)) for seq in range(1, 300)])
+    assert len(audit.calls["0"]) == 256 and audit.calls["0"][-1].seq == 299

@@ -17,11 +17,11 @@ waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 
 from .exit_safety import end_at_exit
 from .positions import Position
@@ -111,8 +111,11 @@ class Heartbeat:
         #: interval: set while a desync inquiry may come
         self.fast_beat = False
         self._fast_interval = scaled_interval(FAST_BEAT, world_size)
-        #: this rank's current position
-        self.position = Position(kind="started", name="started", since=time.time())
+        # this rank's current position (see `position`), or a training step's note `(step, batch, since, seq)`
+        self._current: Position | tuple[int, int | None, float, int] = Position(
+            kind="started", name="started", since=time.time()
+        )
+        self._built: tuple[object, Position] | None = None  # (note, the position built from it)
         #: the optimizer step (``trainer.global_step``) of the last training batch this rank started
         self.step: int | None = None
         #: ``(epoch, batches started in it)`` of the last training batch this rank started (``None`` before)
@@ -132,25 +135,41 @@ class Heartbeat:
         self._publisher: threading.Thread | None = None
         self._beats: threading.Thread | None = None  # runs the beat hooks (see add_beat), started by the first
 
+    @property
+    def position(self) -> Position:
+        """This rank's current position; set by the control plane (barriers, collectives) and :meth:`note_step`.
+
+        A training step's position is built when first read (by the publisher, mostly), not by :meth:`note_step`,
+        which runs at every step: reading twice without a new step gives the same object.
+        """
+        current = self._current
+        if not isinstance(current, tuple):
+            return current
+        built = self._built
+        if built is not None and built[0] is current:
+            return built[1]
+        step, batch, since, seq = current
+        position = Position(kind="training step", name=str(step), seq=seq, since=since, batch=batch)
+        self._built = (current, position)
+        return position
+
+    @position.setter
+    def position(self, position: Position) -> None:
+        self._current = position
+
     # ------------------------------------------------------------------ publishing
-    def _published(self, position: Position, when: float) -> Position:
-        epoch, epoch_batch = self.progress
-        waiting, since = self._waiting
-        calls, digest = self._ledger
-        return replace(
-            position,
-            heartbeat=when,
-            epoch=epoch,
-            epoch_batch=epoch_batch,
-            waiting=waiting,
-            waiting_since=since,
-            calls=calls,
-            digest=digest,
-        )
+    def _published_json(self, position: Position, when: float) -> str:
+        """``position`` with this rank's heartbeat ``when``, progress, wait and ledger, as the store holds it."""
+        data = dict(position.__dict__)  # a dataclass of plain values: its fields, without asdict's deep copy
+        data["epoch"], data["epoch_batch"] = self.progress
+        data["waiting"], data["waiting_since"] = self._waiting
+        data["calls"], data["digest"] = self._ledger
+        data["heartbeat"] = when
+        return json.dumps(data)
 
     def publish(self, store: Store) -> None:
         """Publish this rank's position with a fresh heartbeat through ``store`` (the calling thread's own)."""
-        store.set(POSITION_KEY.format(rank=self.rank), self._published(self.position, time.time()).to_json())
+        store.set(POSITION_KEY.format(rank=self.rank), self._published_json(self.position, time.time()))
 
     def note_step(
         self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None
@@ -165,7 +184,7 @@ class Heartbeat:
             epoch_batch: how many batches of that epoch this rank has started, this one included.
 
         """
-        self.position = Position(kind="training step", name=str(step), seq=self._seq(), since=time.time(), batch=batch)
+        self._current = (step, batch, time.time(), self._seq())  # see `position`: built when read
         self.step = step
         if epoch is not None:
             self.progress = (epoch, epoch_batch)

@@ -72,6 +72,7 @@ class RunLifecycle:
         #: Whether the gloo worker threads of the process groups keep a Python thread state (see fork_safety).
         self.collective_threads_pinned = False
         self._default_group_pinned = False
+        self._epoch: tuple[int, int | None] = (-1, None)  # (batch_idx, epoch) of the last training batch noted
 
     def control_plane_or_none(self) -> ControlPlane | None:
         """The control plane, or ``None`` outside a stage (a bound method: what holds it still pickles)."""
@@ -116,6 +117,7 @@ class RunLifecycle:
                 fetched in it)``, for the desync monitor).
 
         """
+        self._epoch = (-1, None)
         world_size = strategy.world_size
 
         def progress() -> tuple[int, int] | None:
@@ -166,7 +168,10 @@ class RunLifecycle:
     def note_step(self, trainer: pl.Trainer | None, step: int, batches: int, batch_idx: int) -> None:
         """Before a training step: this rank's position, which the heartbeat publishes (an attribute assignment)."""
         if self.control is not None:
-            epoch = trainer.current_epoch if trainer is not None else None
+            last_idx, epoch = self._epoch
+            if batch_idx <= last_idx or epoch is None:  # a new epoch (or the first batch noted): read it, once
+                epoch = trainer.current_epoch if trainer is not None else None
+            self._epoch = (batch_idx, epoch)
             self.control.heartbeat.note_step(step, batch=batches, epoch=epoch, epoch_batch=batch_idx + 1)
         if batch_idx == 0 and self.desync is not None:  # the previous epoch's last calls, once per epoch (~1 ms)
             self.desync.audit_now()

@@ -291,13 +291,13 @@ class SafeDDPStrategy(DDPStrategy):
         """``DDPStrategy.reduce``: integer means exact, ``UnevenEvaluationError`` in an uneven evaluation step."""
         if isinstance(tensor, Tensor):
             what = "`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)"
-            self._evaluation.check_collective(what, self.world_size)
+            self._evaluation.check_collective(what)
             tensor = mean_in_floating_point(tensor, reduce_op)
         return self._calls.reduce(super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        self._evaluation.check_collective("`all_gather` (e.g. `self.all_gather`)", self.world_size)
+        self._evaluation.check_collective("`all_gather` (e.g. `self.all_gather`)")
         return self._calls.all_gather(super().all_gather, tensor, group, sync_grads, self.root_device)
 
     @override

@@ -50,17 +50,18 @@ class EvaluationSteps:
         if self.coordinator(world_size) is not None:
             sync_buffers_before_evaluation(model)
 
-    def check_collective(self, what: str, world_size: int) -> None:
+    def check_collective(self, what: str) -> None:
         """Before a strategy collective named ``what``: raise instead of hanging when inside uneven steps.
+
+        Only an evaluation step run by the coordinator (:meth:`run`, while exact evaluation is in effect) can be
+        inside uneven steps, so this is one attribute test otherwise (it runs for every ``sync_dist`` value).
 
         Raises:
             UnevenEvaluationError: an evaluation step makes the collective while the ranks take different numbers
                 of steps.
 
         """
-        coordinator = self.coordinator(world_size)
-        if coordinator is not None:
-            coordinator.check_collective(what)
+        self._exact.check_collective(what)
 
     def run(
         self,

@@ -85,22 +85,26 @@ class RecorderAudit:
         """Whether the heartbeat should audit now: a dump is due, or one made elsewhere is not yet published."""
         return self._unpublished or time.monotonic() >= self._next
 
-    def _dump(self, *, wait: bool = True) -> int | None:
+    def _dump(self, *, wait: bool = True, background: bool = True) -> int | None:
         """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made.
 
-        The GIL is let go between the dump and the parsing, and between chunks of it (a short sleep), so that a
-        training thread waiting for it never waits longer than the longest of these parts. ``wait=False``: ``None``
-        at once when another thread is dumping.
+        On a ``background`` thread the GIL is let go between the dump and the parsing, and between chunks of it (a
+        short sleep), so that a training thread waiting for it never waits longer than the longest of these parts;
+        the training thread itself does not sleep (it would only wait longer). ``wait=False``: ``None`` at once when
+        another thread is dumping.
         """
         if not self._lock.acquire(blocking=wait):
             return None
+        pause = _YIELD if background else 0.0
         try:
             status = collective_status()
             if status != self._status:
                 self._status = status
-                time.sleep(_YIELD)
+                if pause:
+                    time.sleep(pause)
                 recorded = collective_trace()
-                time.sleep(_YIELD)
+                if pause:
+                    time.sleep(pause)
                 newest = self.calls.newest
                 entries = [
                     e
@@ -108,8 +112,8 @@ class RecorderAudit:
                     if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
                 ]
                 for start in range(0, len(entries), _PARSED_AT_ONCE):
-                    if start:
-                        time.sleep(_YIELD)
+                    if start and pause:
+                        time.sleep(pause)
                     # no notes: what a call was must come from its own stack, the same on every rank at any time
                     self.calls.add(calls_from_trace(entries[start : start + _PARSED_AT_ONCE]))
                 self._unpublished = True
@@ -122,7 +126,7 @@ class RecorderAudit:
 
         Called by the training thread at a stage's end.
         """
-        self._dump()
+        self._dump(background=False)
         with self._lock:
             return self.calls.publication()
 
@@ -130,9 +134,10 @@ class RecorderAudit:
         """Add the recorder's new calls now, whatever the budget, unless the heartbeat thread is dumping them.
 
         Called by the training thread as each training epoch starts (the previous epoch's last calls: its end hooks,
-        its validation): once per epoch. Published at the next beat.
+        its validation): once per epoch, without the pauses that let a training thread take the GIL (it is that
+        thread). Published at the next beat.
         """
-        self._dump(wait=False)
+        self._dump(wait=False, background=False)
 
     def compare(self, store: Store) -> tuple[str, int] | None:
         """On the heartbeat thread: audit when due; after new calls, publish and compare with the next rank's.

@@ -28,3 +28,50 @@ def helper_calling_call_site() -> str:
 def test_call_site_points_at_user_code():
     site = helper_calling_call_site()
     assert "test_positions.py" in site and "helper_calling_call_site" in site
+
+
+def test_a_training_steps_position_is_built_when_read_and_published_with_the_heartbeats_fields():
+    """``Heartbeat.note_step`` (every step) stores a tuple; the position is built once per note when read (the
+    desync monitor tells "moved on" by identity), and the published JSON carries progress, wait and ledger."""
+    import json
+
+    import torch.distributed as dist
+
+    from ddp_strategy.heartbeat import Heartbeat
+    from ddp_strategy.store_barrier import POSITION_KEY
+
+    store = dist.HashStore()
+    seqs = iter(range(10, 100))
+    beat = Heartbeat(
+        rank=1, world_size=2, interval=0, store=store, connect=lambda: store, desync_agreed=lambda: False,
+        seq=lambda: next(seqs),
+    )  # fmt: skip
+    beat.note_step(5, batch=6, epoch=0, epoch_batch=6)
+    first = beat.position
+    assert (first.kind, first.name, first.batch, first.seq) == ("training step", "5", 6, 10)
+    assert beat.position is first  # no new step: the same object
+    beat.note_step(6, batch=7, epoch=0, epoch_batch=7)
+    second = beat.position
+    assert second is not first and (second.name, second.batch, second.seq) == ("6", 7, 11)
+    barrier = Position(kind="barrier", name="save", seq=12, since=1.0)
+    beat.position = barrier  # the control plane's positions replace the step's note
+    assert beat.position is barrier
+    beat.note_step(7, batch=8, epoch=1, epoch_batch=1)
+    beat.set_waiting("collective 0#9", 3.0)
+    beat.set_ledger(4, 99)
+    beat.publish(store)
+    published = Position.from_json(store.get(POSITION_KEY.format(rank=1)))
+    assert (published.kind, published.name, published.batch, published.epoch, published.epoch_batch) == (
+        "training step",
+        "7",
+        8,
+        1,
+        1,
+    )
+    assert (published.waiting, published.waiting_since, published.calls, published.digest) == (
+        "collective 0#9",
+        3.0,
+        4,
+        99,
+    )
+    assert published.heartbeat > 0 and json.loads(store.get(POSITION_KEY.format(rank=1)))["seq"] == 12

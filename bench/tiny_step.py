@@ -359,7 +359,8 @@ def worker(args: argparse.Namespace) -> None:
                 break
     else:
         pl.seed_everything(config["seed"], verbose=False)
-        strategy: DDPStrategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
+        safe_kwargs = config.get("safe_kwargs") or {}
+        strategy: DDPStrategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy(**safe_kwargs)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD_SIZE,
@@ -517,7 +518,8 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         f"its first step, untimed), then take turns: a warm-up chunk of {config['warmup']} steps, "
         f"{config['chunks']} timed chunks of {config['chunk']} steps (the first step of each untimed: {timed} timed "
         f"steps per fit) and the closing step, in a new order at every pass (median {chunks:.1f} s per group). "
-        f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}.",
+        f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}."
+        + (f" The safe variant: `SafeDDPStrategy(**{config['safe_kwargs']!r})`." if config.get("safe_kwargs") else ""),
         "",
         "Per fit, rank 0: *mean* = time of the timed steps / their number, *median* = median step (a step's start "
         "to the next step's start), *CPU* = training thread CPU time per step, *process CPU* = all threads of the "
@@ -578,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="leave the ranks' cores to the scheduler")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
+    parser.add_argument(
+        "--safe-kwargs",
+        type=json.loads,
+        default={},
+        help="diagnosis: JSON keyword arguments of the safe variant, e.g. '{\"heartbeat_interval\": 0}'",
+    )
     worker_args = parser.add_argument_group("worker (one rank of one fit, started by torchrun)")
     worker_args.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     worker_args.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -598,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     config = config_for(args.quick, args.rounds)
     config.update({name: getattr(args, name) for name in ("chunks", "chunk") if getattr(args, name) is not None})
     config["pin_cores"] = not args.no_pin
+    if args.safe_kwargs:
+        config["safe_kwargs"] = args.safe_kwargs
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")
     started = time.monotonic()
 

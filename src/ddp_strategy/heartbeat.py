@@ -140,7 +140,9 @@ class Heartbeat:
         """This rank's current position; set by the control plane (barriers, collectives) and :meth:`note_step`.
 
         A training step's position is built when first read (by the publisher, mostly), not by :meth:`note_step`,
-        which runs at every step: reading twice without a new step gives the same object.
+        which runs at every step: reading twice without a new step gives the same object (two threads reading the
+        same note at once may each build one; the desync monitor then takes it for a move, and reads the recorder's
+        counters one beat later).
         """
         current = self._current
         if not isinstance(current, tuple):

@@ -75,3 +75,43 @@ def test_a_training_steps_position_is_built_when_read_and_published_with_the_hea
         99,
     )
     assert published.heartbeat > 0 and json.loads(store.get(POSITION_KEY.format(rank=1)))["seq"] == 12
+
+
+def test_the_epoch_of_a_training_step_is_read_once_per_epoch_and_again_after_a_new_stage():
+    """``RunLifecycle.note_step`` reads ``trainer.current_epoch`` at an epoch's first batch noted (a batch index not
+    above the last one) and keeps it for the epoch's other steps; the published progress stays right."""
+    import types
+
+    import torch.distributed as dist
+
+    from ddp_strategy.collective_calls import CollectiveCalls
+    from ddp_strategy.heartbeat import Heartbeat
+    from ddp_strategy.lifecycle import RunLifecycle
+    from ddp_strategy.options import StrategyOptions
+
+    class Trainer:
+        reads = 0
+        epoch = 0
+
+        @property
+        def current_epoch(self) -> int:
+            Trainer.reads += 1
+            return Trainer.epoch
+
+    store = dist.HashStore()
+    beat = Heartbeat(rank=0, world_size=2, interval=0, store=store, connect=lambda: store, desync_agreed=lambda: False)
+    lifecycle = RunLifecycle(CollectiveCalls(), StrategyOptions.from_arguments())
+    lifecycle.control = types.SimpleNamespace(heartbeat=beat)  # type: ignore[assignment]
+    trainer = Trainer()
+    seen = []
+    for epoch, batches in ((0, range(3, 6)), (1, range(4)), (2, range(1))):  # resumed mid-epoch 0 at batch 3
+        Trainer.epoch = epoch
+        for batch_idx in batches:
+            lifecycle.note_step(trainer, 0, 0, batch_idx)  # type: ignore[arg-type]
+            seen.append(beat.progress)
+    assert seen == [(0, 4), (0, 5), (0, 6), (1, 1), (1, 2), (1, 3), (1, 4), (2, 1)]
+    assert Trainer.reads == 3  # once per epoch
+    lifecycle._epoch = (-1, None)  # as `start` does for a new stage
+    Trainer.epoch = 7
+    lifecycle.note_step(trainer, 0, 0, 9)  # type: ignore[arg-type]
+    assert beat.progress == (7, 10) and Trainer.reads == 4

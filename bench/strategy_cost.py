@@ -1,6 +1,7 @@
 """The CPU time SafeDDPStrategy's own code adds to a training step, measured directly by instrumentation.
 
-Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--workloads mlp cifar] [--results-dir DIR]
+Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--workloads mlp cifar tiny] [--results-dir DIR]
+                                    [--name NAME]
 
 ``bench/suite.py`` compares whole steps of interleaved fits of stock ``DDPStrategy`` and ``SafeDDPStrategy()``. On
 this shared 2-core machine the same configuration's step time moves by 2-6% between fits and rounds (where the
@@ -16,10 +17,13 @@ included), which a run without the callback does not have. A callback without ho
 timed the same way and left out of the total, for reference: the first turn after the backward pays cache misses
 whatever callback takes it. Every figure is less the instrumentation's own CPU, calibrated in the same process (per
 timed call, and per timed call nested in another). The strategy's background threads (the control plane's heartbeat
-threads, the preemption watch) count by their thread CPU clocks. The window is ``--steps`` training steps after a
-warm-up; the epoch-end weight agreement, once per epoch, is reported on its own.
+threads, the preemption watch) count by their thread CPU clocks; a thread that only waits 1 s at a time, as they do
+between beats, is measured beside them and left out of the total, for reference (what this machine charges for
+waking a thread, see ``idle_reference``). The window is ``--steps`` training steps after a warm-up; the epoch-end
+weight agreement, once per epoch, is reported on its own.
 
-Writes ``strategy_cost.json`` and ``strategy_cost.md`` into ``--results-dir`` (default ``bench/results``);
+Writes ``strategy_cost.json`` and ``strategy_cost.md`` (``--name``: another name) into ``--results-dir`` (default
+``bench/results``); ``--workloads`` adds ``tiny``, ``bench/tiny_step.py``'s model with its ``sync_dist`` log;
 ``DDP_STRATEGY_BENCH_NO_DESYNC=1`` measures ``SafeDDPStrategy(desync_detection=False)`` into
 ``strategy_cost_no_desync.{json,md}``.
 """
@@ -56,7 +60,8 @@ from ddp_strategy import SafeDDPStrategy  # noqa: E402
 WARMUP = 5
 #: DDP_STRATEGY_BENCH_NO_DESYNC=1: `SafeDDPStrategy(desync_detection=False)`, results in strategy_cost_no_desync.*
 NO_DESYNC = os.environ.get("DDP_STRATEGY_BENCH_NO_DESYNC") == "1"
-BATCH = {"mlp": 8, "cifar": 16}  # per rank, as in bench/suite.py
+BATCH = {"mlp": 8, "cifar": 16, "tiny": 32}  # per rank: as in bench/suite.py; tiny as in bench/tiny_step.py
+TINY_SHAPE = (32, 64, 10)  # bench/tiny_step.py's model: inputs, hidden units, classes
 
 
 class Counters:
@@ -211,8 +216,30 @@ def instrument_callback_hooks(counters: Counters) -> Callable[[], None]:
     return functools.partial(setattr, lightning_call, "_call_callback_hooks", original)
 
 
+#: the name of the idle reference thread (see `idle_reference`): counted as the strategy's threads are, not in the total
+IDLE_REFERENCE = "reference-idle-1s"
+
+
 def strategy_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("ddp_strategy-")]
+    return [t for t in threading.enumerate() if t.name.startswith("ddp_strategy-") or t.name == IDLE_REFERENCE]
+
+
+def idle_reference(stop: threading.Event) -> threading.Thread:
+    """A thread that only waits, 1 s at a time, as the heartbeat threads do between beats; left out of the total.
+
+    Its CPU time is what this machine charges a thread for waking once a second and nothing else: on a virtual
+    machine the wake-up from an idle or busy core is charged to the woken thread (0.2-1.5 ms per wake-up on this
+    one, where bare metal takes a few microseconds). The strategy's two heartbeat threads each wake once a second,
+    so about twice this figure of their CPU time is the cost of waking, not of their work.
+    """
+
+    def wait() -> None:
+        while not stop.wait(1.0):
+            pass
+
+    thread = threading.Thread(target=wait, name=IDLE_REFERENCE, daemon=True)
+    thread.start()
+    return thread
 
 
 def thread_cpu(thread: threading.Thread) -> float:
@@ -286,12 +313,36 @@ def own_per_step(window: Window) -> tuple[dict[str, float], dict[str, int], dict
     return own, {k: v for k, v in calls.items() if k in own}, threads
 
 
+class Tiny(pl.LightningModule):
+    """``bench/tiny_step.py``'s model in its ``sync_dist`` mode: a 2-layer MLP, one ``sync_dist`` value per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inputs, hidden, classes = TINY_SHAPE
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes)
+        )
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
 def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model: pl.LightningModule
     if workload == "mlp":
         model = MLP()
         data = TensorDataset(torch.randn(BATCH["mlp"] * devices * (WARMUP + steps + 1), MLP_SHAPE[0]))
+    elif workload == "tiny":
+        model = Tiny()  # bench/tiny_step.py's model, with its sync_dist log: the step is almost all framework
+        count = BATCH["tiny"] * devices * (WARMUP + steps + 1)
+        data = TensorDataset(torch.randn(count, TINY_SHAPE[0]), torch.randint(0, TINY_SHAPE[2], (count,)))
     else:
         model = SyncedCIFAR10Classifier()  # the suite's workload: one sync_dist value logged per step
         count = BATCH["cifar"] * devices * (WARMUP + steps + 1)
@@ -300,6 +351,8 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
     counters.calibrate()
     window = Window(counters, steps)
     restore = [instrument_strategy(counters), instrument_callback_hooks(counters)]
+    stop_idle = threading.Event()
+    idle_reference(stop_idle)
     try:
         trainer = pl.Trainer(
             default_root_dir=root,
@@ -317,9 +370,11 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         )
         trainer.fit(model, DataLoader(data, batch_size=BATCH[workload], shuffle=True))
     finally:
+        stop_idle.set()
         for undo in reversed(restore):
             undo()
     own, calls, threads = own_per_step(window)
+    idle = threads.pop(IDLE_REFERENCE, 0.0)
     reference = {k: own.pop(k) for k in list(own) if k.startswith(f"{Reference.__name__}.")}
     leaf, per_nested = counters.overhead
     epoch_end = {k: v - leaf * counters.calls[k] for k, v in counters.own.items() if k.endswith("on_train_epoch_end")}
@@ -337,6 +392,8 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         "threads_cpu_per_step_s": threads,
         # not counted: the turns of a callback without hooks placed first (see Reference)
         "reference_callback_per_step_s": reference,
+        # not counted: a thread that only waits 1 s at a time (see idle_reference)
+        "idle_thread_per_step_s": idle,
         "epoch_end_check_s": epoch_end,
         # the instrumentation's own CPU per timed call and per nested timed call, subtracted from every figure
         "instrumentation_overhead_s": {"per_call": leaf, "per_nested_call": per_nested},
@@ -395,6 +452,16 @@ def render(result: dict[str, Any]) -> list[str]:
         turns = row.get("reference_callback_per_step_s", {})
         parts = [f"`{k.split('.', 1)[1]}` {v * 1e6:.1f}" for k, v in sorted(turns.items(), key=lambda kv: -kv[1])]
         lines.append(f"- {row['workload']}: {sum(turns.values()) * 1e6:.1f} in all: " + ", ".join(parts))
+    lines += [
+        "",
+        "Not counted, for reference: a thread that only waits, 1 s at a time, as each of the two heartbeat threads "
+        "does between its beats (us of its CPU per step: what this machine charges for waking a thread once a "
+        "second):",
+        "",
+    ]
+    for row in result["workloads"]:
+        idle = row.get("idle_thread_per_step_s")
+        lines.append(f"- {row['workload']}: " + ("not measured" if idle is None else f"{idle * 1e6:.1f}"))
     head = "Own CPU time per call of the strategy's collectives (us, median [10th, 90th percentile], calls):"
     lines += ["", head, ""]
     for row in result["workloads"]:
@@ -410,8 +477,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--workloads", nargs="+", default=["mlp", "cifar"], choices=["mlp", "cifar"])
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "cifar"], choices=["mlp", "cifar", "tiny"])
     parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--name", help="results file name, no suffix (default strategy_cost[_no_desync])")
     args = parser.parse_args()
     torch.set_num_threads(1)
     scratch = tempfile.mkdtemp(prefix="strategy-cost-")
@@ -424,7 +492,8 @@ def main() -> None:
         "workloads": rows,
         **machine(),
     }
-    write(args.results_dir, "strategy_cost_no_desync" if NO_DESYNC else "strategy_cost", result, render(result))
+    name = args.name or ("strategy_cost_no_desync" if NO_DESYNC else "strategy_cost")
+    write(args.results_dir, name, result, render(result))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,33 @@ class GatherControl:
         return [self.other, obj]
 
 
+def test_a_fit_without_reloads_has_no_reload_check_callback_and_a_reload_adds_it_first_once():
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from ddp_strategy.handshake_runner import _ReloadedTrainingBatchesCheck
+
+    strategy = SafeDDPStrategy()
+    handshakes = strategy._handshakes
+    earlier, user = _ReloadedTrainingBatchesCheck(lambda _: None), object()
+    trainer: Any = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), callbacks=[earlier, user])
+    handshakes.setup(trainer, world_size=2)
+    assert trainer.callbacks == [user]  # a previous fit's check is gone: no turn in Lightning's per-batch hooks
+    handshakes.training_loader_loaded(trainer)  # the fit's first load, before the training handshake
+    assert trainer.callbacks == [user] and handshakes.train_loader_reloaded
+    handshakes.run("train", strategy)  # no control plane: compares nothing, but the counts count as compared
+    assert not handshakes.train_loader_reloaded
+    handshakes.training_loader_loaded(trainer)  # a reload (reload_dataloaders_every_n_epochs): compared from now on
+    added = trainer.callbacks[0]
+    assert isinstance(added, _ReloadedTrainingBatchesCheck) and trainer.callbacks[1:] == [user]
+    handshakes.training_loader_loaded(trainer)
+    assert trainer.callbacks == [added, user]  # once per fit
+    single: Any = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), callbacks=[])
+    handshakes.setup(single, world_size=1)
+    handshakes.run("train", strategy)
+    handshakes.training_loader_loaded(single)
+    assert single.callbacks == []  # one rank: nothing to compare
+
+
 @pytest.mark.parametrize("mode", ["raise", "warn", None])
 def test_the_epoch_start_compares_only_after_a_reload(mode):
     strategy = SafeDDPStrategy(uneven_inputs=mode)

@@ -13,7 +13,17 @@ from collections.abc import Callable, Sequence
 from typing_extensions import override
 
 from ._compat.callback_hooks import skip_inherited_batch_hooks
-from ._compat.lightning import Callback, TrainerFn, add_callback, pl, rank_zero_info, rank_zero_warn, trainer_of
+from ._compat.lightning import (
+    Callback,
+    TrainerFn,
+    add_callback,
+    find_callback,
+    pl,
+    rank_zero_info,
+    rank_zero_warn,
+    remove_callbacks,
+    trainer_of,
+)
 from .control import ControlPlane
 from .errors import UnevenInputsError
 from .handshake import (
@@ -37,8 +47,9 @@ __all__ = ["Handshakes"]
 class _ReloadedTrainingBatchesCheck(Callback):
     """Calls ``check(trainer)`` at every training epoch start, before the other callbacks' and the module's hooks.
 
-    Added by :class:`Handshakes` for ``fit``; ``check`` returns at once unless the training dataloader was reloaded
-    since the last comparison of the ranks' batch counts.
+    Added by :class:`Handshakes` in ``fit`` once the training dataloader is reloaded after the training handshake
+    (a fit without reloads never has it: no per-batch turn in Lightning's hook loop); ``check`` returns at once
+    unless the training dataloader was reloaded since the last comparison of the ranks' batch counts.
     """
 
     def __init__(self, check: Callable[[pl.Trainer], None]) -> None:
@@ -71,6 +82,8 @@ class Handshakes:
         self.done = False
         #: The training dataloader was (re)loaded since the ranks' batch counts were last compared.
         self.train_loader_reloaded = False
+        self._fitting = False  # a fit of several ranks: a reload after the training handshake is compared
+        self._train_compared = False  # the training handshake compared this fit's batch counts
 
     def check_devices(self, strategy: StrategyHost) -> None:
         """Early device check, before any data-plane collective can touch a shared GPU.
@@ -87,9 +100,21 @@ class Handshakes:
         """At the strategy's ``setup``: no handshake yet; for ``fit``, compare batch counts after each reload."""
         self.done = False
         self.train_loader_reloaded = False
-        if trainer.state.fn == TrainerFn.FITTING and world_size > 1:
-            check = _ReloadedTrainingBatchesCheck(self.check_reloaded_training_batches)
-            add_callback(trainer, check, first=True, replace=_ReloadedTrainingBatchesCheck)
+        self._fitting = trainer.state.fn == TrainerFn.FITTING and world_size > 1
+        self._train_compared = False
+        remove_callbacks(trainer, _ReloadedTrainingBatchesCheck)  # a previous fit's
+
+    def training_loader_loaded(self, trainer: pl.Trainer) -> None:
+        """The strategy prepared a training dataloader: its batch counts are compared at the next epoch start.
+
+        The first load of a fit is compared by the training handshake. A reload after it (every rank reloads in the
+        same epoch, on the Trainer's schedule) adds the callback that compares the counts as that epoch starts,
+        before any other hook; it stays for the rest of the fit.
+        """
+        self.train_loader_reloaded = True
+        present = find_callback(trainer, _ReloadedTrainingBatchesCheck) is not None
+        if self._fitting and self._train_compared and not present:
+            add_callback(trainer, _ReloadedTrainingBatchesCheck(self.check_reloaded_training_batches), first=True)
 
     def run(self, stage: str, strategy: StrategyHost) -> None:
         """The handshake of ``stage`` (``"train"``, ``"validate"``, ``"test"`` or ``"predict"``), on every rank.
@@ -103,6 +128,7 @@ class Handshakes:
         """
         if stage == "train":
             self.train_loader_reloaded = False  # its batch counts are compared now
+            self._train_compared = True
         control = self._control()
         if not self.enabled or control is None:
             return

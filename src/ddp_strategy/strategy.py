@@ -336,7 +336,7 @@ class SafeDDPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        self._handshakes.train_loader_reloaded = True  # on every rank in the same epoch: the Trainer's reload schedule
+        self._handshakes.training_loader_loaded(trainer)  # on every rank in the same epoch: the Trainer's schedule
         return self._resume.training_dataloader(dataloader, trainer)
 
     # ------------------------------------------------------------------ helpers

@@ -61,6 +61,7 @@ __all__ = [
     "rank_zero_warn",
     "rebuild_ddp_wrapper",
     "reinstantiate_dataloader",
+    "remove_callbacks",
     "reseed_as_fit_does",
     "restore_before_second_train_iterator",
     "restore_when_the_epoch_loop_starts",
@@ -228,6 +229,12 @@ def add_callback(trainer: Any, callback: Any, *, first: bool = False, replace: t
         callbacks.insert(0, callback)
     else:
         callbacks.append(callback)
+
+
+def remove_callbacks(trainer: Any, kind: type) -> None:
+    """Remove the Trainer's callbacks of type ``kind`` (the list edited in place, as by ``add_callback``)."""
+    callbacks: list[Any] = trainer.callbacks
+    callbacks[:] = [c for c in callbacks if not isinstance(c, kind)]
 
 
 def wrap_evaluation_dataloader_preparation(trainer: Any, prepare: Callable[..., object], marker: str) -> bool:

@@ -79,6 +79,7 @@ bench: $(STAMP)
 	$(PY) bench/handshake.py
 	$(PY) bench/callback_cost.py
 	$(PY) bench/strategy_cost.py
+	$(PY) bench/call_count.py
 	$(PY) bench/consistency_cost.py
 	$(PY) bench/desync_cost.py
 	$(PY) bench/control_plane_scale.py --worlds 8,64,256,512 --label after

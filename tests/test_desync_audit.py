@@ -203,6 +203,10 @@ class FakeHeartbeat:
     def __init__(self) -> None:
         self.position: object = object()
 
+    @property
+    def mark(self) -> object:  # as Heartbeat.mark: changes whenever the position does
+        return self.position
+
     def add_beat(self, hook: Any) -> None:
         pass
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 from ddp_strategy.positions import Position, call_site, format_ranks
 
 
@@ -75,6 +77,15 @@ def test_a_training_steps_position_is_built_when_read_and_published_with_the_hea
         99,
     )
     assert published.heartbeat > 0 and json.loads(store.get(POSITION_KEY.format(rank=1)))["seq"] == 12
+    assert beat._built is None or beat._built[0] is not beat.mark  # published without building its Position
+    built = beat.position  # built now, by a reader: the same fields as published, but the heartbeat
+    published_fields = {"epoch": 1, "epoch_batch": 1, "waiting": "collective 0#9", "waiting_since": 3.0}
+    published_fields.update(calls=4, digest=99, heartbeat=published.heartbeat)
+    assert published == dataclasses.replace(built, **published_fields)
+    mark = beat.mark
+    assert beat.mark is mark  # no new position: the same mark, nothing built
+    beat.note_step(8, batch=9, epoch=1, epoch_batch=2)
+    assert beat.mark is not mark  # a new step
 
 
 def test_the_epoch_of_a_training_step_is_read_once_per_epoch_and_again_after_a_new_stage():

@@ -208,7 +208,7 @@ class DesyncMonitor:
         long yet: the recorder's counters are not read. A wait seen at the next beat then counts from the skipped
         beat (it may have begun before it, where reading the counters would have seen it).
         """
-        mark, last = (self.control.heartbeat.position, self.ledger.state), self._mark
+        mark, last = (self.control.heartbeat.mark, self.ledger.state), self._mark
         moved = last is not None and (mark[0] is not last[0] or mark[1] != last[1])  # the first beat reads them
         self._mark = mark
         skipped_at, self._skipped_at = self._skipped_at, 0.0

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, fields
 
 from .exit_safety import end_at_exit
 from .positions import Position
@@ -50,6 +51,8 @@ _FAILURES_KEY = "failure/count"  # how many ranks published a failure
 _SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
 #: The keys every rank's failure publication shares (deleted by rank 0 at a graceful close).
 FAILURE_KEYS = (_FAILED_KEY, _FAILURES_KEY, _SEEN_KEY)
+#: Every field of a :class:`Position` with its default: a training step's published JSON starts from these.
+_POSITION_FIELDS = {field.name: field.default for field in fields(Position) if field.default is not MISSING}
 
 
 def scaled_interval(interval: float, world_size: int) -> float:
@@ -139,10 +142,10 @@ class Heartbeat:
     def position(self) -> Position:
         """This rank's current position; set by the control plane (barriers, collectives) and :meth:`note_step`.
 
-        A training step's position is built when first read (by the publisher, mostly), not by :meth:`note_step`,
-        which runs at every step: reading twice without a new step gives the same object (two threads reading the
-        same note at once may each build one; the desync monitor then takes it for a move, and reads the recorder's
-        counters one beat later).
+        A training step's position is built when first read, not by :meth:`note_step`, which runs at every step:
+        reading twice without a new step gives the same object (two threads reading the same note at once may each
+        build one). The publisher writes a step's note out without building it, and the desync monitor compares
+        :attr:`mark`: in a run without failures, nothing reads it.
         """
         current = self._current
         if not isinstance(current, tuple):
@@ -159,10 +162,24 @@ class Heartbeat:
     def position(self, position: Position) -> None:
         self._current = position
 
+    @property
+    def mark(self) -> object:
+        """A new object whenever :attr:`position` changes (compare by identity); reading it builds nothing."""
+        return self._current
+
     # ------------------------------------------------------------------ publishing
-    def _published_json(self, position: Position, when: float) -> str:
-        """``position`` with this rank's heartbeat ``when``, progress, wait and ledger, as the store holds it."""
-        data = dict(position.__dict__)  # a dataclass of plain values: its fields, without asdict's deep copy
+    def _published_json(self, when: float) -> str:
+        """The current position with this rank's heartbeat ``when``, progress, wait and ledger, as the store holds it.
+
+        A training step's note is written out as its :class:`Position` would be, without building one: this runs
+        once a second on the publisher thread, where every object made is paid in cold caches.
+        """
+        current = self._current
+        if isinstance(current, tuple):
+            step, batch, since, seq = current
+            data = dict(_POSITION_FIELDS, kind="training step", name=str(step), seq=seq, since=since, batch=batch)
+        else:
+            data = dict(current.__dict__)  # a dataclass of plain values: its fields, without asdict's deep copy
         data["epoch"], data["epoch_batch"] = self.progress
         data["waiting"], data["waiting_since"] = self._waiting
         data["calls"], data["digest"] = self._ledger
@@ -171,7 +188,7 @@ class Heartbeat:
 
     def publish(self, store: Store) -> None:
         """Publish this rank's position with a fresh heartbeat through ``store`` (the calling thread's own)."""
-        store.set(POSITION_KEY.format(rank=self.rank), self._published_json(self.position, time.time()))
+        store.set(POSITION_KEY.format(rank=self.rank), self._published_json(time.time()))
 
     def note_step(
         self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None

@@ -1,0 +1,173 @@
+"""Python calls per training step: stock ``DDPStrategy`` and ``SafeDDPStrategy()`` on the tiny model, counted.
+
+Usage: python bench/call_count.py [--steps N] [--results-dir DIR]
+
+Times on this shared machine move by more than the strategy's cost per step (``bench/tiny_step.py``); the number of
+Python calls a step makes does not. For each strategy and logging mode (``nolog``; ``sync_dist``:
+``self.log("loss", loss, sync_dist=True)`` in every step), a 2-rank fit of ``bench/tiny_step.py``'s model (Lightning's
+launcher, gloo, CPU) runs under ``cProfile`` on rank 0 for ``--steps`` training steps after a warm-up, from one
+``on_train_batch_start`` to another: every Python function and built-in call of the training thread is counted. The
+report gives the calls per step of each fit and, per function, what ``SafeDDPStrategy()`` adds (or saves) per step.
+
+Writes ``call_count.json`` and ``call_count.md`` into ``--results-dir`` (default ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WARMUP = 50
+VARIANTS = ("stock", "safe")
+MODES = ("nolog", "sync_dist")
+TOP = 40  # functions listed per mode in the report
+
+
+def _function_name(key: tuple[str, int, str]) -> str:
+    path, line, name = key
+    if path == "~":  # a built-in
+        return name
+    return f"{Path(path).name}:{line}({name})"
+
+
+def worker(variant: str, mode: str, steps: int, out: str) -> None:
+    """One fit (Lightning's launcher starts rank 1 by re-running this command); rank 0 writes its counts to ``out``."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_strategy import SafeDDPStrategy
+
+    torch.set_num_threads(1)
+    sync = mode == "sync_dist"
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            if sync:
+                self.log("loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Profile(Callback):
+        """Counts the training thread's calls from step ``WARMUP``'s start to step ``WARMUP + steps``'s start."""
+
+        def __init__(self) -> None:
+            self.profile = cProfile.Profile()
+
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, index: int) -> None:
+            if index == WARMUP:
+                self.profile.enable()
+            elif index == WARMUP + steps:
+                self.profile.disable()
+                if trainer.global_rank == 0:
+                    stats = pstats.Stats(self.profile).stats  # type: ignore[attr-defined]
+                    counts = {_function_name(key): row[1] for key, row in stats.items()}
+                    Path(out).write_text(json.dumps({"steps": steps, "calls": counts}))
+
+    samples = 32 * 2 * (WARMUP + steps + 1)
+    data = TensorDataset(torch.randn(samples, 32), torch.randint(0, 10, (samples,)))
+    strategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=WARMUP + steps + 1,
+        max_epochs=1,
+        callbacks=[Profile()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(Path(out).parent),
+    )
+    trainer.fit(Tiny(), DataLoader(data, batch_size=32, shuffle=True))
+
+
+def run_fit(variant: str, mode: str, steps: int, scratch: Path) -> dict[str, Any]:
+    out = scratch / f"{variant}-{mode}.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, mode, "--steps", str(steps)]
+    command += ["--out", str(out)]
+    subprocess.run(command, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return dict(json.loads(out.read_text()))
+
+
+def analyse(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per mode: calls per step of each strategy, and per function safe's calls per step less stock's."""
+    modes = {}
+    for mode in MODES:
+        stock, safe = (fits[f"{variant}-{mode}"] for variant in VARIANTS)
+        per_step = {
+            v: {k: n / f["steps"] for k, n in f["calls"].items()} for v, f in (("stock", stock), ("safe", safe))
+        }
+        names = set(per_step["stock"]) | set(per_step["safe"])
+        added = {k: per_step["safe"].get(k, 0.0) - per_step["stock"].get(k, 0.0) for k in names}
+        added = {k: v for k, v in added.items() if abs(v) >= 0.01}
+        modes[mode] = {
+            "calls_per_step": {v: sum(per_step[v].values()) for v in VARIANTS},
+            "added_per_step": dict(sorted(added.items(), key=lambda kv: (-abs(kv[1]), kv[0]))),
+        }
+    return modes
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Measured {result['date']} on {result['machine']['platform']}, torch {result['machine']['torch']}, "
+        f"Lightning {result['machine']['lightning']}: a 2-rank fit per strategy and mode (Lightning's launcher, gloo, "
+        f"CPU), `bench/tiny_step.py`'s model, rank 0's training thread under `cProfile` for {result['steps']} steps "
+        f"after {WARMUP} warm-up steps. Counts are per training step (Python functions and built-ins).",
+        "",
+        "| mode | stock `DDPStrategy()` | `SafeDDPStrategy()` | added by safe |",
+        "|---|---|---|---|",
+    ]
+    for mode, row in result["modes"].items():
+        stock, safe = row["calls_per_step"]["stock"], row["calls_per_step"]["safe"]
+        lines.append(f"| {mode} | {stock:.0f} | {safe:.0f} | {safe - stock:+.0f} |")
+    for mode, row in result["modes"].items():
+        lines += ["", f"Calls per step added by safe, {mode} (largest {TOP}; negative: fewer than stock):", ""]
+        listed = list(row["added_per_step"].items())[:TOP]
+        lines += [f"- `{name}` {count:+.2f}" for name, count in listed]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        variant, mode = args.worker
+        worker(variant, mode, steps=args.steps, out=args.out)
+        return
+    from bench.results_io import machine, write
+
+    with tempfile.TemporaryDirectory(prefix="call-count-") as scratch:
+        fits = {f"{v}-{m}": run_fit(v, m, args.steps, Path(scratch)) for m in MODES for v in VARIANTS}
+    result = {"steps": args.steps, "warmup": WARMUP, "modes": analyse(fits), **machine()}
+    write(args.results_dir, "call_count", result, render(result))
+
+
+if __name__ == "__main__":
+    main()

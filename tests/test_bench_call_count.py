@@ -1,0 +1,37 @@
+"""bench/call_count.py's analysis: calls per step and what safe adds per function, from fabricated counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.proc import load_bench
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+calls = load_bench("bench_call_count", BENCH / "call_count.py")
+
+
+def fit(steps: int, counts: dict[str, int]) -> dict[str, object]:
+    return {"steps": steps, "calls": counts}
+
+
+def test_calls_per_step_and_what_safe_adds_per_function():
+    fits = {
+        "stock-nolog": fit(100, {"getattr": 1000, "loop.py:10(advance)": 100, "stock_only": 50}),
+        "safe-nolog": fit(
+            200, {"getattr": 2600, "loop.py:10(advance)": 200, "strategy.py:5(on_train_batch_start)": 200}
+        ),
+        "stock-sync_dist": fit(100, {"getattr": 1000}),
+        "safe-sync_dist": fit(100, {"getattr": 1000, "collective_calls.py:59(reduce)": 100}),
+    }
+    modes = calls.analyse(fits)
+    nolog = modes["nolog"]
+    assert nolog["calls_per_step"] == {"stock": 11.5, "safe": 15.0}  # per step: the fits' step counts differ
+    # largest change first; unchanged functions are left out; stock's own calls count negative
+    assert nolog["added_per_step"] == {"getattr": 3.0, "strategy.py:5(on_train_batch_start)": 1.0, "stock_only": -0.5}
+    assert modes["sync_dist"]["added_per_step"] == {"collective_calls.py:59(reduce)": 1.0}
+    lines = calls.render(
+        {"steps": 100, "modes": modes, "date": "d", "machine": {"platform": "p", "torch": "t", "lightning": "l"}}
+    )
+    assert "| nolog | 12 | 15 | +4 |" in lines  # rounded: 11.5 -> 12, 15 - 11.5 = 3.5 -> +4
+    assert "- `getattr` +3.00" in lines and "- `stock_only` -0.50" in lines

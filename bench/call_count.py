@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,8 +36,8 @@ TOP = 40  # functions listed per mode in the report
 
 def _function_name(key: tuple[str, int, str]) -> str:
     path, line, name = key
-    if path == "~":  # a built-in
-        return name
+    if path == "~":  # a built-in, or a Python function cProfile names by its repr: without its address
+        return re.sub(r" at 0x[0-9a-f]+", "", name)
     return f"{Path(path).name}:{line}({name})"
 
 

@@ -288,9 +288,89 @@ def test_tiny_step_safe_vs_stock():
     assert_on("bench/README.md", f"again +{a} us ({a_lo} to {a_hi}) and +{b} us ({b_lo} to {b_hi}) of CPU per step")
 
 
+def test_tiny_step_on_the_intel_machine():
+    older = {t["mode"]: t for t in result("tiny_step-intel-dc04d0b")["analysis"]["targets"]}
+    assert result("tiny_step-intel-dc04d0b")["meta"]["git"] == "commit dc04d0b"
+    assert_on(
+        "bench/README.md",
+        f"wall {older['nolog']['wall']:.3f} and {older['sync_dist']['wall']:.3f} (both missed), CPU "
+        f"{older['nolog']['cpu']:.3f} and {older['sync_dist']['cpu']:.3f};",
+    )
+    run = result("tiny_step-intel-72e9c5a")
+    assert run["meta"]["git"] == "commit 72e9c5a" and "Intel" in run["meta"]["machine"]
+    targets = {t["mode"]: t for t in run["analysis"]["targets"]}
+    nolog, sync = targets["nolog"], targets["sync_dist"]
+    assert nolog["met"] and not sync["met"] and nolog["met_by_cpu"] and sync["met_by_cpu"]
+    (a, a_lo, a_hi), (b, b_lo, b_hi) = (cpu_added("tiny_step-intel-72e9c5a", m) for m in ("nolog", "sync_dist"))
+    rows = {(r["mode"], r["variant"]): r for r in run["analysis"]["rows"]}
+    stock_cpu = [f"{rows[(m, 'stock')]['cpu_step_s']['median'] * 1e6:.0f}" for m in ("nolog", "sync_dist")]
+    safe_sync, stock_sync = rows[("sync_dist", "safe")], rows[("sync_dist", "stock")]
+    longer = (safe_sync["step_median_s"]["median"] - stock_sync["step_median_s"]["median"]) * 1e6
+    more_cpu = (safe_sync["cpu_step_s"]["median"] - stock_sync["cpu_step_s"]["median"]) * 1e6
+    raw_median = rows[("sync_dist", "raw")]["step_median_s"]
+    assert_on(
+        "bench/README.md",
+        f"wall **{nolog['wall']:.3f}** without logging (met) and **{sync['wall']:.3f}** with the `sync_dist` log "
+        f"(missed), CPU **{nolog['cpu']:.3f} and {sync['cpu']:.3f} (met by CPU in both)**",
+        f"{a} us ({a_lo} to {a_hi}) and {b} us ({b_lo} to {b_hi}) more CPU per step than stock's, paired medians, "
+        f"against stock's {stock_cpu[0]} and {stock_cpu[1]} us",
+        f"missed in both Intel runs ({older['sync_dist']['wall']:.3f} and {sync['wall']:.3f}), with safe's median "
+        f"step up to {longer:.0f} us longer for {more_cpu:.0f} us more CPU",
+        f"spans {raw_median['min'] * 1e6:.0f} to {raw_median['max'] * 1e6:.0f} us over the rounds of the 72e9c5a run",
+    )
+
+
+def test_waiting_thread_tiny_model_and_calls_counted():
+    cost = result("strategy_cost-idle-reference")
+    rows = {row["workload"]: row for row in cost["workloads"]}
+    assert set(rows) == {"mlp", "cifar", "tiny"} and cost["devices"] == 2
+    for label, name in (("MLP", "mlp"), ("CIFAR-10", "cifar"), ("tiny", "tiny")):
+        row = rows[name]
+        threads = row["threads_cpu_per_step_s"]
+        parts = [threads[f"ddp_strategy-{t}-rank0"] * 1e6 for t in ("pulse", "heartbeat", "preemption-watch")]
+        assert_on(
+            "bench/README.md",
+            f"| {label} | {row['step_cpu_median_s'] * 1e3:.1f} | {row['own_cpu_per_step_s'] * 1e6:.0f} | "
+            f"{sum(row['own_per_method_s'].values()) * 1e6:.1f} | {sum(threads.values()) * 1e6:.1f} "
+            f"({parts[0]:.1f}, {parts[1]:.1f}, {parts[2]:.1f}) | {row['idle_thread_per_step_s'] * 1e6:.1f} | "
+            f"{row['own_per_call_s']['reduce']['median'] * 1e6:.1f} |",
+        )
+    mlp = rows["mlp"]
+    assert_on(
+        "bench/README.md",
+        f"is charged {mlp['idle_thread_per_step_s'] * 1e6:.1f} us of CPU per MLP step",
+        f"their {sum(mlp['threads_cpu_per_step_s'].values()) * 1e6:.1f} is waking",
+    )
+    counts = result("call_count")["modes"]
+    stock = [counts[m]["calls_per_step"]["stock"] for m in ("nolog", "sync_dist")]
+    added = [counts[m]["calls_per_step"]["safe"] - counts[m]["calls_per_step"]["stock"] for m in ("nolog", "sync_dist")]
+    assert_on(
+        "bench/README.md",
+        f"stock's training thread makes {stock[0]:.0f} Python calls without logging and {stock[1]:.0f} with a "
+        f"`sync_dist` log; `SafeDDPStrategy()` adds {added[0]:.0f} and {added[1]:.0f}",
+    )
+    nolog = counts["nolog"]["added_per_step"]
+    assert nolog["<built-in method builtins.getattr>"] >= 18 and nolog["<built-in method builtins.callable>"] == 18
+    assert not any(
+        "ReloadedTrainingBatchesCheck" in name for name in nolog
+    )  # no such callback in a fit without reloads
+
+
 @pytest.mark.parametrize(
     "name",
-    ["callback_cost", "checkpoint_save", "handshake", "strategy_cost", "suite", "tiny_step", "tiny_step-heavy-load"],
+    [
+        "callback_cost",
+        "checkpoint_save",
+        "handshake",
+        "strategy_cost",
+        "strategy_cost-idle-reference",
+        "call_count",
+        "suite",
+        "tiny_step",
+        "tiny_step-heavy-load",
+        "tiny_step-intel-dc04d0b",
+        "tiny_step-intel-72e9c5a",
+    ],
 )
 def test_results_are_from_the_versions_bench_readme_names(name: str):
     """The quoted runs used torch 2.14.1 and (where recorded) Lightning 2.6.6, as bench/README.md says."""

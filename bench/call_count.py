@@ -45,30 +45,15 @@ def worker(variant: str, mode: str, steps: int, out: str) -> None:
     """One fit (Lightning's launcher starts rank 1 by re-running this command); rank 0 writes its counts to ``out``."""
     import lightning.pytorch as pl
     import torch
-    import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
+    from bench.workloads.tiny import SHAPE, tiny_module
     from ddp_strategy import SafeDDPStrategy
 
     torch.set_num_threads(1)
     sync = mode == "sync_dist"
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-
-        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
-            if sync:
-                self.log("loss", loss, sync_dist=True)
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
 
     class Profile(Callback):
         """Counts the training thread's calls from step ``WARMUP``'s start to step ``WARMUP + steps``'s start."""
@@ -87,7 +72,7 @@ def worker(variant: str, mode: str, steps: int, out: str) -> None:
                     Path(out).write_text(json.dumps({"steps": steps, "calls": counts}))
 
     samples = 32 * 2 * (WARMUP + steps + 1)
-    data = TensorDataset(torch.randn(samples, 32), torch.randint(0, 10, (samples,)))
+    data = TensorDataset(torch.randn(samples, SHAPE[0]), torch.randint(0, SHAPE[2], (samples,)))
     strategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -102,7 +87,7 @@ def worker(variant: str, mode: str, steps: int, out: str) -> None:
         enable_model_summary=False,
         default_root_dir=str(Path(out).parent),
     )
-    trainer.fit(Tiny(), DataLoader(data, batch_size=32, shuffle=True))
+    trainer.fit(tiny_module(sync_dist=sync), DataLoader(data, batch_size=32, shuffle=True))
 
 
 def run_fit(variant: str, mode: str, steps: int, scratch: Path) -> dict[str, Any]:

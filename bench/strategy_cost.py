@@ -52,6 +52,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping  # n
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.trainer import call as lightning_call  # noqa: E402
 from run import MLP, MLP_SHAPE, SyncedCIFAR10Classifier  # noqa: E402
+from tiny import SHAPE, tiny_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from bench.results_io import machine, write  # noqa: E402
@@ -61,7 +62,6 @@ WARMUP = 5
 #: DDP_STRATEGY_BENCH_NO_DESYNC=1: `SafeDDPStrategy(desync_detection=False)`, results in strategy_cost_no_desync.*
 NO_DESYNC = os.environ.get("DDP_STRATEGY_BENCH_NO_DESYNC") == "1"
 BATCH = {"mlp": 8, "cifar": 16, "tiny": 32}  # per rank: as in bench/suite.py; tiny as in bench/tiny_step.py
-TINY_SHAPE = (32, 64, 10)  # bench/tiny_step.py's model: inputs, hidden units, classes
 
 
 class Counters:
@@ -313,26 +313,6 @@ def own_per_step(window: Window) -> tuple[dict[str, float], dict[str, int], dict
     return own, {k: v for k, v in calls.items() if k in own}, threads
 
 
-class Tiny(pl.LightningModule):
-    """``bench/tiny_step.py``'s model in its ``sync_dist`` mode: a 2-layer MLP, one ``sync_dist`` value per step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        inputs, hidden, classes = TINY_SHAPE
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes)
-        )
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self.net(x), y)
-        self.log("loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model: pl.LightningModule
@@ -340,9 +320,9 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         model = MLP()
         data = TensorDataset(torch.randn(BATCH["mlp"] * devices * (WARMUP + steps + 1), MLP_SHAPE[0]))
     elif workload == "tiny":
-        model = Tiny()  # bench/tiny_step.py's model, with its sync_dist log: the step is almost all framework
+        model = tiny_module(sync_dist=True)  # bench/tiny_step.py's model, with its sync_dist log: all framework
         count = BATCH["tiny"] * devices * (WARMUP + steps + 1)
-        data = TensorDataset(torch.randn(count, TINY_SHAPE[0]), torch.randint(0, TINY_SHAPE[2], (count,)))
+        data = TensorDataset(torch.randn(count, SHAPE[0]), torch.randint(0, SHAPE[2], (count,)))
     else:
         model = SyncedCIFAR10Classifier()  # the suite's workload: one sync_dist value logged per step
         count = BATCH["cifar"] * devices * (WARMUP + steps + 1)

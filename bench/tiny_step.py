@@ -65,6 +65,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 from suite import job_processes, metadata, tail  # noqa: E402  (bench/suite.py: the same process handling)
+from workloads.tiny import SHAPE, network, tiny_module  # noqa: E402  (the model, shared with other benchmarks)
 
 VARIANTS = ("raw", "stock", "safe")
 MODES = ("nolog", "sync_dist")
@@ -72,7 +73,6 @@ LABELS = {"raw": "raw PyTorch DDP loop", "stock": "Lightning DDPStrategy()", "sa
 RATIOS = (("safe", "stock"), ("stock", "raw"), ("safe", "raw"))
 TARGET = ("safe", "stock", 1.02)  # issue 30, point 3: safe / stock at most 1.02 in both modes
 WORLD_SIZE = 2
-SHAPE = (32, 64, 10)  # inputs, hidden units, classes
 FIGURES = ("step_mean_s", "step_median_s", "cpu_step_s", "process_cpu_step_s")
 
 
@@ -266,7 +266,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
-    from torch import Tensor, nn
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -304,24 +303,6 @@ def worker(args: argparse.Namespace) -> None:
             self.index += 1
 
     clock = Clock()
-
-    def network() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(SHAPE[0], SHAPE[1]), nn.ReLU(), nn.Linear(SHAPE[1], SHAPE[2]))
-
-    class TinyModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = network()
-
-        def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-            x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
-            if sync:
-                self.log("loss", loss, sync_dist=True)
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
 
     class StepClock(Callback):
         def on_train_batch_start(self, *_: Any) -> None:
@@ -374,7 +355,7 @@ def worker(args: argparse.Namespace) -> None:
             enable_model_summary=False,
             default_root_dir=f"{args.out}-root",  # in the runner's temporary directory
         )
-        trainer.fit(TinyModule(), DataLoader(dataset, batch_size=config["batch_size"], shuffle=True))
+        trainer.fit(tiny_module(sync_dist=sync), DataLoader(dataset, batch_size=config["batch_size"], shuffle=True))
         handshake = getattr(trainer.strategy, "last_handshake_seconds", None)
     payload = {
         "rank": rank,

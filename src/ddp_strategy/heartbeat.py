@@ -51,7 +51,7 @@ _FAILURES_KEY = "failure/count"  # how many ranks published a failure
 _SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
 #: The keys every rank's failure publication shares (deleted by rank 0 at a graceful close).
 FAILURE_KEYS = (_FAILED_KEY, _FAILURES_KEY, _SEEN_KEY)
-#: Every field of a :class:`Position` with its default: a training step's published JSON starts from these.
+#: The fields of a :class:`Position` that have a default, with it: a training step's published JSON starts there.
 _POSITION_FIELDS = {field.name: field.default for field in fields(Position) if field.default is not MISSING}
 
 

@@ -112,8 +112,8 @@ class Handshakes:
         before any other hook; it stays for the rest of the fit.
         """
         self.train_loader_reloaded = True
-        present = find_callback(trainer, _ReloadedTrainingBatchesCheck) is not None
-        if self._fitting and self._train_compared and not present:
+        compared = self._fitting and self._train_compared
+        if compared and find_callback(trainer, _ReloadedTrainingBatchesCheck) is None:
             add_callback(trainer, _ReloadedTrainingBatchesCheck(self.check_reloaded_training_batches), first=True)
 
     def run(self, stage: str, strategy: StrategyHost) -> None:

@@ -31,6 +31,7 @@ Writes ``strategy_cost.json`` and ``strategy_cost.md`` (``--name``: another name
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -55,8 +56,10 @@ from run import MLP, MLP_SHAPE, SyncedCIFAR10Classifier  # noqa: E402
 from tiny import SHAPE, tiny_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import ddp_strategy.control as control_module  # noqa: E402
 from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
+from ddp_strategy.collective_record import LogSites  # noqa: E402
 
 WARMUP = 5
 #: DDP_STRATEGY_BENCH_NO_DESYNC=1: `SafeDDPStrategy(desync_detection=False)`, results in strategy_cost_no_desync.*
@@ -147,8 +150,10 @@ def _timed(method: Callable[..., Any], key: str, counters: Counters, *, inner: b
     return timed
 
 
-#: the strategy's collectives, whose own time is also kept per call (for a median per call)
-PER_CALL = ("reduce", "all_gather", "broadcast")
+#: the key of the strategy's ``self.log`` wrapper (see `instrument_log_sites`): one call per logged ``sync_dist`` value
+LOG_WRAPPER = "self.log wrapper"
+#: the strategy's collectives and its ``self.log`` wrapper, whose own time is also kept per call (for a median per call)
+PER_CALL = ("reduce", "all_gather", "broadcast", LOG_WRAPPER)
 
 
 def instrument_strategy(counters: Counters) -> Callable[[], None]:
@@ -224,6 +229,65 @@ def strategy_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("ddp_strategy-") or t.name == IDLE_REFERENCE]
 
 
+#: the native threads torch's gloo backend started for the strategy's control group: ``{tid: name}``
+CONTROL_GROUP_THREADS: dict[int, str] = {}
+
+
+def native_threads() -> dict[int, str]:
+    """This process's threads, Python's and native ones: ``{tid: name}`` (Linux ``/proc``)."""
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            threads[int(tid)] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    return threads
+
+
+def native_thread_cpu(tid: int) -> float:
+    """A thread's CPU seconds (``/proc``'s schedstat: the clock ``time.thread_time`` reads); 0 once it ended."""
+    try:
+        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def instrument_control_group() -> Callable[[], None]:
+    """Note the threads torch starts for the strategy's gloo control group (counted as the strategy's threads).
+
+    Each gloo group has a network thread (``gloo_tcp_loop``) that wakes every 10 ms whether or not the group is used
+    (its ``epoll_wait`` timeout), and worker threads (``pt_gloo_runloop``) that run its collectives. A stock
+    ``DDPStrategy`` has the default group's; the control group's are the strategy's own.
+    """
+    original = getattr(control_module, "new_lazy_gloo_group")  # noqa: B009 (patched for the fit)
+
+    def new_group_noting_threads(timeout: Any) -> Any:
+        before = native_threads()
+        group = original(timeout)
+        for tid, name in native_threads().items():
+            if tid not in before:
+                CONTROL_GROUP_THREADS[tid] = f"control group's {name} ({tid})"
+        return group
+
+    setattr(control_module, "new_lazy_gloo_group", new_group_noting_threads)  # noqa: B010
+    return functools.partial(setattr, control_module, "new_lazy_gloo_group", original)
+
+
+def instrument_log_sites(counters: Counters) -> Callable[[], None]:
+    """Time the strategy's wrapper of the module's ``log`` (``LogSites``), less the ``LightningModule.log`` it calls.
+
+    Every ``self.log(..., sync_dist=True)`` goes through it (it names the value the strategy's ``reduce`` syncs).
+    """
+    original = LogSites.install
+
+    def install(sites: LogSites, module: Any) -> None:
+        sites.uninstall()
+        module.log = _timed(module.log, LOG_WRAPPER, counters, inner=True)  # what the wrapper calls
+        original(sites, module)
+        module.log = _timed(module.log, LOG_WRAPPER, counters)
+
+    setattr(LogSites, "install", install)  # noqa: B010 (patched for the fit)
+    return functools.partial(setattr, LogSites, "install", original)
+
+
 def idle_reference(stop: threading.Event) -> threading.Thread:
     """A thread that only waits, 1 s at a time, as the heartbeat threads do between beats; left out of the total.
 
@@ -276,6 +340,7 @@ class Window(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if idx in (WARMUP, WARMUP + self.steps):
             threads = {t.name: thread_cpu(t) for t in strategy_threads()}
+            threads.update({name: native_thread_cpu(tid) for tid, name in CONTROL_GROUP_THREADS.items()})
             mark = (self.counters.snapshot(), threads)
             if idx == WARMUP:
                 self.start = mark
@@ -330,7 +395,13 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
     counters = Counters()
     counters.calibrate()
     window = Window(counters, steps)
-    restore = [instrument_strategy(counters), instrument_callback_hooks(counters)]
+    CONTROL_GROUP_THREADS.clear()
+    restore = [
+        instrument_strategy(counters),
+        instrument_callback_hooks(counters),
+        instrument_control_group(),
+        instrument_log_sites(counters),
+    ]
     stop_idle = threading.Event()
     idle_reference(stop_idle)
     try:
@@ -377,6 +448,8 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         "epoch_end_check_s": epoch_end,
         # the instrumentation's own CPU per timed call and per nested timed call, subtracted from every figure
         "instrumentation_overhead_s": {"per_call": leaf, "per_nested_call": per_nested},
+        # own CPU per `self.log(..., sync_dist=True)` value: its wrapper call and its `reduce`, paired in order
+        "per_sync_dist_value_s": per_value(counters.per_call.get(LOG_WRAPPER, []), counters.per_call.get("reduce", [])),
         # own CPU per call of the strategy's collectives in the window: median, 10th and 90th percentile
         "own_per_call_s": {
             key: {"median": statistics.median(v), "p10": quantile(v, 0.1), "p90": quantile(v, 0.9), "calls": len(v)}
@@ -384,6 +457,14 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
             if v
         },
     }
+
+
+def per_value(wrapper: list[float], reduce: list[float]) -> dict[str, float] | None:
+    """Median [10th, 90th percentile] of wrapper + reduce per logged value (``None`` unless one of each per value)."""
+    if not wrapper or len(wrapper) != len(reduce):
+        return None
+    both = [a + b for a, b in zip(wrapper, reduce, strict=True)]
+    return {"median": statistics.median(both), "p10": quantile(both, 0.1), "p90": quantile(both, 0.9)}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -450,6 +531,19 @@ def render(result: dict[str, Any]) -> list[str]:
             for k, v in row.get("own_per_call_s", {}).items()
         ]
         lines.append(f"- {row['workload']}: " + (", ".join(parts) or "none"))
+    head = (
+        "Own CPU time per `self.log(..., sync_dist=True)` value: the strategy's `self.log` wrapper and its `reduce`, "
+        "summed per value (us, median [10th, 90th percentile]):"
+    )
+    lines += ["", head, ""]
+    for row in result["workloads"]:
+        value = row.get("per_sync_dist_value_s")
+        text = (
+            "none"
+            if value is None
+            else f"{value['median'] * 1e6:.1f} [{value['p10'] * 1e6:.1f}, {value['p90'] * 1e6:.1f}]"
+        )
+        lines.append(f"- {row['workload']}: {text}")
     return lines
 
 

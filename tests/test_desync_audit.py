@@ -54,6 +54,27 @@ def test_the_ledger_digest_is_the_eager_one_computed_by_the_reading_thread():
     assert len(unread._pending) < 1024 and unread.state[0] == 5000
 
 
+def test_the_ledger_lets_the_gil_go_only_between_batches_of_512_calls(monkeypatch: pytest.MonkeyPatch):
+    """A heartbeat's second of calls is settled without a sleep: a sleep costs a VM more CPU than the batch (issue 30)."""
+    import ddp_strategy.collective_record as record
+
+    sleeps: list[tuple[float, int]] = []
+    ledger = CallLedger()
+    monkeypatch.setattr(record.time, "sleep", lambda seconds: sleeps.append((seconds, len(ledger._pending))))
+    for i in range(512):
+        ledger.add(f"reduce x{i}")
+    assert ledger.state[0] == 512 and sleeps == []  # one batch: no sleep
+    for i in range(1000):
+        ledger.add(f"reduce y{i}")
+    assert ledger.state[0] == 1512
+    # a sleep after each full batch of 512 while calls still wait (1000 = 512 + 488): the GIL held ~0.25 ms at most
+    assert sleeps == [(record._YIELD, 488)]
+    digest = 0
+    for text in [f"reduce x{i}" for i in range(512)] + [f"reduce y{i}" for i in range(1000)]:
+        digest = zlib.crc32(text.encode(), digest)
+    assert ledger.state == (1512, digest) and ledger.digest_at(1000) is not None
+
+
 def _old_first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]]]) -> tuple[str, int] | None:
     """The comparison before issue 30 (one dict per publication and group), the reference."""
     import array
@@ -283,6 +304,10 @@ def test_reduce_adds_the_ledger_text_it_added_before_and_keeps_it_per_logged_val
     calls.log_sites.current = ("training_step", "loss")
     calls.reduce(lambda t, group, reduce_op: None, tensor, None, "mean")
     assert monitor.ledger.texts[-1][1] == expected[0]
+    # an unhashable reduce_op: recorded, its texts made anew at each call and never kept
+    calls.reduce(lambda t, group, reduce_op: None, tensor, None, ["sum"])
+    assert monitor.ledger.texts[-1][1] == f"reduce training_step.loss {tensor.dtype}{list(tensor.shape)} ['sum']"
+    assert len(calls._texts) == 2
 
 
 def test_the_logged_value_is_known_inside_its_log_call_only():

@@ -67,7 +67,16 @@ class CollectiveCalls:
         # a step value syncs inside its `self.log` call; an epoch value later, from Lightning's code: found on the
         # stack (from the strategy's `reduce` on, its caller's 8 frames)
         logged = self.log_sites.current or logged_metric_of_caller(depth=9)
-        ledger_text, note_text = self._reduce_texts(logged, tensor, reduce_op)
+        # what the call is, for the ledger and its note: the same for every call of one logged value (made once)
+        is_tensor = isinstance(tensor, Tensor)
+        key: tuple[Any, ...] = (
+            (logged, tensor.dtype, tensor.shape, reduce_op) if is_tensor else (logged, type(tensor), reduce_op)
+        )
+        try:
+            texts = self._texts.get(key)
+        except TypeError:  # an unhashable reduce_op: made anew at every call
+            texts = self._reduce_texts(None, logged, tensor, reduce_op)
+        ledger_text, note_text = texts or self._reduce_texts(key, logged, tensor, reduce_op)
         monitor.ledger.add(ledger_text)
         note = self.notes.begin(note_text)
         try:
@@ -112,16 +121,11 @@ class CollectiveCalls:
         finally:
             self.notes.end(note)
 
-    def _reduce_texts(self, logged: tuple[str, str] | None, tensor: Any, reduce_op: Any) -> tuple[str, str]:
-        """What a ``reduce`` is, for the ledger and for its note; the same for every call of one logged value."""
+    def _reduce_texts(
+        self, key: tuple[Any, ...] | None, logged: tuple[str, str] | None, tensor: Any, reduce_op: Any
+    ) -> tuple[str, str]:
+        """The ledger and note texts of a ``reduce`` not seen before, kept under ``key`` (``None``: not kept)."""
         is_tensor = isinstance(tensor, Tensor)
-        try:
-            key = (logged, tensor.dtype, tensor.shape, reduce_op) if is_tensor else (logged, type(tensor), reduce_op)
-            texts = self._texts.get(key)
-        except TypeError:  # an unhashable reduce_op
-            key, texts = None, None
-        if texts is not None:
-            return texts
         shape = f"{tensor.dtype}{list(tensor.shape)}" if is_tensor else type(tensor).__name__
         ledger_text = f"reduce {'.'.join(logged) if logged else ''} {shape} {reduce_op}"
         texts = (ledger_text, self.log_sites.describe(*logged) if logged else "strategy.reduce")

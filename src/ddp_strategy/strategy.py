@@ -35,6 +35,9 @@ from .preemption import DEFAULT_PREEMPTION_SIGNALS, exit_code
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
+#: The strategy's ``reduce`` in an ``UnevenEvaluationError``.
+_REDUCE_CALL = "`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)"
+
 
 class SafeDDPStrategy(DDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` with cross-rank safety checks.
@@ -112,6 +115,7 @@ class SafeDDPStrategy(DDPStrategy):
         self._calls, self._lifecycle, self._handshakes = f.calls, f.lifecycle, f.handshakes
         self._evaluation, self._weights, self._saving = f.evaluation, f.weights, f.saving
         self._resume, self._preemption, self._unused = f.resume, f.preemption, f.unused
+        self._fit_trainer: pl.Trainer | None = None  # from on_train_start to teardown: read at every batch's start
 
     # ------------------------------------------------------------------ attributes
     #: The control plane, available between ``setup_environment`` and ``teardown``.
@@ -199,6 +203,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._fit_trainer = None
         self._calls.log_sites.uninstall()
         self._saving.finish_async_writes()
         diverged = self._lifecycle.close(self.global_rank)
@@ -213,6 +218,7 @@ class SafeDDPStrategy(DDPStrategy):
         # on_train_start run in between and may change weights on one rank.
         self._handshakes.run("train", self)
         self._lifecycle.warn_about_fork_hazard(self)
+        self._fit_trainer = self._trainer_or_none()
         super().on_train_start()
 
     @override
@@ -238,12 +244,14 @@ class SafeDDPStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Runs after the callbacks' and the module's on_train_batch_start (and on_train_epoch_start, where
         # BackboneFinetuning unfreezes) and before the forward: a change of requires_grad made there is followed now.
+        # Every step: attribute tests where there is nothing to do (bench/call_count.py counts the calls).
         self._lifecycle.raise_agreed_desync()
-        trainer = self._trainer_or_none()
+        trainer = self._fit_trainer
         step = trainer.global_step if trainer is not None else 0
         batches = self._weights.on_train_batch_start(self, step, self._lifecycle.control)
         self._lifecycle.note_step(trainer, step, batches, batch_idx)  # after the test: "went past" this batch count
-        self._resume.restore_rng()  # resumed mid-epoch: continue the saved RNG stream from this batch on
+        if self._resume.state is not None:  # resumed mid-epoch: continue the saved RNG stream from this batch on
+            self._resume.restore_rng()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -290,9 +298,9 @@ class SafeDDPStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """``DDPStrategy.reduce``: integer means exact, ``UnevenEvaluationError`` in an uneven evaluation step."""
         if isinstance(tensor, Tensor):
-            what = "`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)"
-            self._evaluation.check_collective(what)
-            tensor = mean_in_floating_point(tensor, reduce_op)
+            self._evaluation.check_collective(_REDUCE_CALL)
+            if not tensor.is_floating_point():  # one method call for the usual float value
+                tensor = mean_in_floating_point(tensor, reduce_op)
         return self._calls.reduce(super().reduce, tensor, group, reduce_op)
 
     @override

@@ -35,6 +35,11 @@ class EvaluationSteps:
         #: Whether exact evaluation is on; switched off when a Trainer's loops could not be replaced.
         self.enabled = options.exact_evaluation
         self._exact = ExactEvaluation(control, predictions_on=options.predictions_on)
+        #: ``check_collective(what)``, before a strategy collective named ``what``: raises ``UnevenEvaluationError``
+        #: inside an evaluation step run by :meth:`run` while the ranks take different numbers of steps, instead of
+        #: hanging. The coordinator's own method (one attribute test outside such steps; it runs for every
+        #: ``sync_dist`` value, so one call, not two).
+        self.check_collective: Callable[[str], None] = self._exact.check_collective
 
     def coordinator(self, world_size: int) -> ExactEvaluation | None:
         """The exact-evaluation coordinator while it is in effect, else ``None``."""
@@ -49,19 +54,6 @@ class EvaluationSteps:
         """When an evaluation loop starts: sync DDP's buffers once, on every rank (the steps bypass DDP's forward)."""
         if self.coordinator(world_size) is not None:
             sync_buffers_before_evaluation(model)
-
-    def check_collective(self, what: str) -> None:
-        """Before a strategy collective named ``what``: raise instead of hanging when inside uneven steps.
-
-        Only an evaluation step run by the coordinator (:meth:`run`, while exact evaluation is in effect) can be
-        inside uneven steps, so this is one attribute test otherwise (it runs for every ``sync_dist`` value).
-
-        Raises:
-            UnevenEvaluationError: an evaluation step makes the collective while the ranks take different numbers
-                of steps.
-
-        """
-        self._exact.check_collective(what)
 
     def run(
         self,

@@ -55,7 +55,7 @@ def test_the_ledger_digest_is_the_eager_one_computed_by_the_reading_thread():
 
 
 def test_the_ledger_lets_the_gil_go_only_between_batches_of_512_calls(monkeypatch: pytest.MonkeyPatch):
-    """A heartbeat's second of calls is settled without a sleep: a sleep costs a VM more CPU than the batch (issue 30)."""
+    """A second of calls is settled without a sleep: on a VM a sleep costs more CPU than the batch (issue 30)."""
     import ddp_strategy.collective_record as record
 
     sleeps: list[tuple[float, int]] = []

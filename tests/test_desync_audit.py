@@ -54,25 +54,34 @@ def test_the_ledger_digest_is_the_eager_one_computed_by_the_reading_thread():
     assert len(unread._pending) < 1024 and unread.state[0] == 5000
 
 
-def test_the_ledger_lets_the_gil_go_only_between_batches_of_512_calls(monkeypatch: pytest.MonkeyPatch):
-    """A second of calls is settled without a sleep: on a VM a sleep costs more CPU than the batch (issue 30)."""
+def test_the_ledger_lets_the_gil_go_only_after_holding_it_a_quarter_millisecond(monkeypatch: pytest.MonkeyPatch):
+    """A second of calls is settled without a sleep: on a VM a sleep costs more CPU than the calls (issue 30)."""
     import ddp_strategy.collective_record as record
 
-    sleeps: list[tuple[float, int]] = []
+    clock = [0.0]
+    sleeps: list[int] = []
     ledger = CallLedger()
-    monkeypatch.setattr(record.time, "sleep", lambda seconds: sleeps.append((seconds, len(ledger._pending))))
-    for i in range(512):
-        ledger.add(f"reduce x{i}")
-    assert ledger.state[0] == 512 and sleeps == []  # one batch: no sleep
+    monkeypatch.setattr(record.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(record.time, "sleep", lambda seconds: sleeps.append(len(ledger._pending)))
     for i in range(1000):
+        ledger.add(f"reduce x{i}")
+    assert ledger.state[0] == 1000 and sleeps == []  # quick enough: no sleep
+    real_crc32 = record.zlib.crc32
+
+    def slow_crc32(data: bytes, value: int) -> int:  # each call takes 10 us
+        clock[0] += 1e-5
+        return real_crc32(data, value)
+
+    monkeypatch.setattr(record.zlib, "crc32", slow_crc32)
+    for i in range(100):
         ledger.add(f"reduce y{i}")
-    assert ledger.state[0] == 1512
-    # a sleep after each full batch of 512 while calls still wait (1000 = 512 + 488): the GIL held ~0.25 ms at most
-    assert sleeps == [(record._YIELD, 488)]
+    assert ledger.state[0] == 1100
+    # looked at every 32 calls: each 32 take 0.32 ms, past 0.25 ms: a sleep after each while calls wait
+    assert sleeps == [68, 36, 4]
     digest = 0
-    for text in [f"reduce x{i}" for i in range(512)] + [f"reduce y{i}" for i in range(1000)]:
-        digest = zlib.crc32(text.encode(), digest)
-    assert ledger.state == (1512, digest) and ledger.digest_at(1000) is not None
+    for text in [f"reduce x{i}" for i in range(1000)] + [f"reduce y{i}" for i in range(100)]:
+        digest = real_crc32(text.encode(), digest)
+    assert ledger.state == (1100, digest) and ledger.digest_at(1000) is not None
 
 
 def _old_first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]]]) -> tuple[str, int] | None:

@@ -162,16 +162,17 @@ class CallLedger:
     def _settle(self, *, wait: bool = True) -> None:
         """Take the calls added since into the count and digest (any thread; one at a time).
 
-        At most :data:`_SETTLED_AT_ONCE` calls are taken in at a time (~0.5 us each); when more wait, the GIL is let
-        go (a short sleep) before the next batch, so that a training thread waiting for it never waits long. A sleep
-        is what costs here (0.1-0.2 ms of CPU on a VM, more than a whole batch): a heartbeat's usual second of calls
-        is one batch and no sleep. ``wait=False``: nothing when another thread is settling.
+        The GIL is let go (a short sleep) once the thread has kept it :data:`_HOLD_MOST` seconds while calls still
+        wait (looked at every :data:`_SETTLED_AT_ONCE` calls, ~0.5 us each), so that a training thread waiting for
+        it never waits long. A sleep is what costs here (0.1-0.2 ms of CPU on a VM, more than hundreds of calls), so
+        a heartbeat's usual second of calls takes none. ``wait=False``: nothing when another thread is settling.
         """
         if not self._pending or not self._settling.acquire(blocking=wait):
             return
         try:
             count, digest = self._state
             pending, history, texts, keep = self._pending, self._history, self._texts, self._keep
+            until = time.perf_counter() + _HOLD_MOST
             while pending:
                 for _ in range(min(len(pending), _SETTLED_AT_ONCE)):
                     what = pending.popleft()
@@ -180,8 +181,9 @@ class CallLedger:
                     history.pop(count - keep, None)
                     texts.append((count, what))
                 self._state = (count, digest)
-                if pending:
+                if pending and time.perf_counter() >= until:
                     time.sleep(_YIELD)
+                    until = time.perf_counter() + _HOLD_MOST
         finally:
             self._settling.release()
 
@@ -205,8 +207,10 @@ class CallLedger:
 
 #: calls :class:`CallLedger` holds outside its digest at most (then the adding thread settles them)
 _PENDING_MOST = 1024
-#: calls :class:`CallLedger` takes into its digest between two short sleeps (the GIL let go): ~0.25 ms of GIL
-_SETTLED_AT_ONCE = 512
+#: calls :class:`CallLedger` takes into its digest between two looks at the time it has kept the GIL
+_SETTLED_AT_ONCE = 32
+#: seconds :class:`CallLedger` keeps the GIL settling calls before a short sleep lets it go
+_HOLD_MOST = 2.5e-4
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 

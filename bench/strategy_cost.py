@@ -257,7 +257,7 @@ def instrument_control_group() -> Callable[[], None]:
     (its ``epoll_wait`` timeout), and worker threads (``pt_gloo_runloop``) that run its collectives. A stock
     ``DDPStrategy`` has the default group's; the control group's are the strategy's own.
     """
-    original = getattr(control_module, "new_lazy_gloo_group")  # noqa: B009 (patched for the fit)
+    original = getattr(control_module, "new_control_gloo_group")  # noqa: B009 (patched for the fit)
 
     def new_group_noting_threads(timeout: Any) -> Any:
         before = native_threads()
@@ -267,8 +267,8 @@ def instrument_control_group() -> Callable[[], None]:
                 CONTROL_GROUP_THREADS[tid] = f"control group's {name} ({tid})"
         return group
 
-    setattr(control_module, "new_lazy_gloo_group", new_group_noting_threads)  # noqa: B010
-    return functools.partial(setattr, control_module, "new_lazy_gloo_group", original)
+    setattr(control_module, "new_control_gloo_group", new_group_noting_threads)  # noqa: B010
+    return functools.partial(setattr, control_module, "new_control_gloo_group", original)
 
 
 def instrument_log_sites(counters: Counters) -> Callable[[], None]:

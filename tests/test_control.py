@@ -518,3 +518,35 @@ def test_unexpected_check_failure_stops_every_rank(monkeypatch, tmp_path):
     assert type(outcome[0]) is CheckpointIntegrityError
     assert str(outcome[0]) == f"Rank 1 could not check checkpoint '{path}': PermissionError: no access to the mount"
     assert type(outcome[1]) is PermissionError  # re-raised as is on the rank it happened on
+
+
+def _gloo_network_threads() -> set[str]:
+    """The thread ids of gloo's network threads in this process (one per gloo device)."""
+    task = Path("/proc/self/task")
+    return {t.name for t in task.iterdir() if (t / "comm").read_text().strip() == "gloo_tcp_loop"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux /proc")
+def test_the_control_group_uses_the_default_gloo_groups_device_and_network_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Issue 30: a gloo device's network thread wakes every 10 ms; the control group adds none to a gloo world."""
+    from ddp_strategy._compat import torch as torch_compat
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        threads = _gloo_network_threads()
+        group = torch_compat.new_control_gloo_group(timedelta(seconds=30))
+        assert not _gloo_network_threads() - threads and dist.get_backend(group) == "ddp_strategy_gloo"
+        value = torch.ones(2)
+        dist.all_reduce(value, group=group)
+        gathered: list[object] = [None]
+        dist.all_gather_object(gathered, {"rank": 0}, group=group)
+        assert value.tolist() == [1.0, 1.0] and gathered == [{"rank": 0}]
+        assert torch_compat.gloo_worker_threads(group) == 2  # the fork-safety pinning finds its workers
+        # a world larger than SHARED_DEVICE_MOST_RANKS: a device of its own, pairs connected on first use
+        monkeypatch.setattr(torch_compat, "SHARED_DEVICE_MOST_RANKS", 0)
+        lazy = torch_compat.new_control_gloo_group(timedelta(seconds=30))
+        assert len(_gloo_network_threads() - threads) == 1 and dist.get_backend(lazy) == "gloo"
+    finally:
+        dist.destroy_process_group()

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from ._compat.torch import default_store, new_lazy_gloo_group, new_store_connection
+from ._compat.torch import default_store, new_control_gloo_group, new_store_connection
 from .agreement import RankFailure, also_failed, failures, first_failure, from_rank
 from .barrier_wait import MonitoredBarrier
 from .control_agreement import ControlAgreement
@@ -176,9 +176,9 @@ class ControlPlane(ControlAgreement):
     def create(cls, *, timeout: timedelta, heartbeat_interval: float = 1.0) -> ControlPlane:
         """Build the control plane on top of the initialised default process group.
 
-        Creates a new gloo group (a collective call: every rank must call this), agrees on a fresh namespace in
-        the rendezvous store so that two runs in one process never see each other's keys, and starts the
-        heartbeat thread.
+        Creates a new gloo group (a collective call: every rank must call this; see
+        :func:`~ddp_strategy._compat.torch.new_control_gloo_group`), agrees on a fresh namespace in the rendezvous
+        store so that two runs in one process never see each other's keys, and starts the heartbeat thread.
 
         Raises:
             RuntimeError: the default process group is not initialised.
@@ -190,7 +190,7 @@ class ControlPlane(ControlAgreement):
                 "`ControlPlane.create` must run after `init_process_group` (the strategy's setup_environment)."
             )
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        group = new_lazy_gloo_group(timeout)  # no full mesh: pairs connect on first use
+        group = new_control_gloo_group(timeout)  # the default gloo group's device, or a lazy one (no full mesh)
         if not isinstance(group, dist.ProcessGroup):  # every rank is a member of this group
             raise RuntimeError(f"ddp_strategy: creating the gloo control group returned {group!r}")
         keep = KeepAlive()

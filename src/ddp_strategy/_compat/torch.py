@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
+    "SHARED_DEVICE_MOST_RANKS",
     "collective_status",
     "collective_trace",
     "collective_trace_enabled",
@@ -24,6 +25,7 @@ __all__ = [
     "default_store",
     "detach_ddp_reducer",
     "gloo_worker_threads",
+    "new_control_gloo_group",
     "new_lazy_gloo_group",
     "new_store_connection",
     "pin_python_thread_states",
@@ -62,6 +64,65 @@ def new_lazy_gloo_group(timeout: Any) -> Any:
     finally:
         if user is None:
             os.environ.pop(_GLOO_LAZY_INIT, None)
+
+
+#: The largest world whose control group shares the default gloo group's device (its pairs connect as it is made).
+SHARED_DEVICE_MOST_RANKS = 64
+_SHARED_DEVICE_BACKEND = "ddp_strategy_gloo"  # torch's gloo, on the default group's device (a registered backend)
+
+
+def new_control_gloo_group(timeout: Any) -> Any:
+    """A new gloo group of every rank for the control plane (collective: every rank calls it, and takes one branch).
+
+    Each gloo *device* has a network thread that wakes every 10 ms (its ``epoll_wait`` timeout) for as long as the
+    device lives, used or not: ``bench/strategy_cost.py`` measured it at 0.5 ms of CPU per 128-ms step on a VM,
+    more than the rest of the strategy's background work together. So when the default group already runs gloo on
+    the CPU, the new group uses that group's device, and thread: same world, same machine, same transport. That
+    device connects every pair when a group is made (unless the user set ``TORCH_GLOO_LAZY_INIT``), as the default
+    group did, so it is shared in worlds of at most :data:`SHARED_DEVICE_MOST_RANKS` ranks; a larger world, or one
+    whose default group is not gloo (NCCL), gets a device of its own whose pairs connect on first use
+    (:func:`new_lazy_gloo_group`). The branch depends only on the world size and the default group's backend, the
+    same on every rank.
+    """
+    if dist.get_world_size() <= SHARED_DEVICE_MOST_RANKS and _default_gloo_devices() and _register_shared_device():
+        return dist.new_group(backend=_SHARED_DEVICE_BACKEND, timeout=timeout)
+    return new_lazy_gloo_group(timeout)
+
+
+def _default_gloo_devices() -> list[Any] | None:
+    """The gloo devices of the default group's CPU backend (``None``: not gloo, or this torch does not say)."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        devices = backend.options._devices if isinstance(backend, dist.ProcessGroupGloo) else None  # type: ignore[attr-defined]
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return list(devices) if devices else None
+
+
+def _register_shared_device() -> bool:
+    """Register the backend that makes gloo groups on the default group's device, once per process."""
+    if _SHARED_DEVICE_BACKEND in dist.Backend.backend_list:
+        return True
+    try:
+        dist.Backend.register_backend(
+            _SHARED_DEVICE_BACKEND, _gloo_on_default_device, extended_api=True, devices=["cpu"]
+        )
+    except (TypeError, ValueError, AttributeError, RuntimeError):  # a torch without this registration
+        return False
+    return True
+
+
+def _gloo_on_default_device(options: Any, backend_options: Any) -> Any:
+    """Torch's gloo backend for a new group, as ``dist.new_group`` makes it, with the default group's devices."""
+    devices = _default_gloo_devices()
+    if not devices:
+        raise RuntimeError("ddp_strategy: the default process group has no gloo device to share with a new group")
+    gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo_options._devices = devices
+    gloo_options._timeout = options.timeout
+    gloo_options.global_ranks_in_group = options.global_ranks_in_group
+    gloo_options.group_name = options.group_id
+    return dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, gloo_options)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

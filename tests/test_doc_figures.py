@@ -341,7 +341,7 @@ def test_waiting_thread_tiny_model_and_calls_counted():
         f"is charged {mlp['idle_thread_per_step_s'] * 1e6:.1f} us of CPU per MLP step",
         f"their {sum(mlp['threads_cpu_per_step_s'].values()) * 1e6:.1f} is waking",
     )
-    counts = result("call_count")["modes"]
+    counts = result("call_count-72e9c5a")["modes"]  # the counts of that afternoon (call_count.json: the newest)
     stock = [counts[m]["calls_per_step"]["stock"] for m in ("nolog", "sync_dist")]
     added = [counts[m]["calls_per_step"]["safe"] - counts[m]["calls_per_step"]["stock"] for m in ("nolog", "sync_dist")]
     assert_on(
@@ -356,6 +356,67 @@ def test_waiting_thread_tiny_model_and_calls_counted():
     )  # no such callback in a fit without reloads
 
 
+def test_control_group_thread_and_log_wrapper_counted():
+    """bench/README.md's evening table: strategy_cost before and after the shared gloo device, calls, tiny_step."""
+    for commit in ("3c7f37d", "6b76bcc"):
+        rows = {row["workload"]: row for row in result(f"strategy_cost-intel-{commit}")["workloads"]}
+        assert set(rows) == {"mlp", "cifar", "tiny"}
+        for name in ("mlp", "cifar", "tiny"):
+            row = rows[name]
+            threads = row["threads_cpu_per_step_s"]
+            gloo = sum(v for k, v in threads.items() if k.startswith("control group's gloo_tcp_loop"))
+            python = sum(v for k, v in threads.items() if k.startswith("ddp_strategy-"))
+            own = row["own_per_method_s"]
+            assert_on(
+                "bench/README.md",
+                f"{row['step_cpu_median_s'] * 1e3:.1f}",
+                f"{row['own_cpu_per_step_s'] * 1e6:.0f}",
+                f"{python * 1e6:.1f}",
+                f"{sum(own.values()) * 1e6:.1f}",
+                f"{own['self.log wrapper'] * 1e6:.1f}",
+                f"{row['own_per_call_s']['reduce']['median'] * 1e6:.1f}",
+            )
+            if commit == "3c7f37d":
+                assert gloo > 0 and f"{gloo * 1e6:.1f}" in page("bench/README.md")
+            else:
+                assert gloo == 0  # no network thread of its own
+            if row["per_sync_dist_value_s"] is not None:
+                assert f"{row['per_sync_dist_value_s']['median'] * 1e6:.1f}" in page("bench/README.md")
+    mlp = {row["workload"]: row for row in result("strategy_cost-intel-3c7f37d")["workloads"]}["mlp"]
+    gloo = sum(v for k, v in mlp["threads_cpu_per_step_s"].items() if "gloo_tcp_loop" in k)
+    assert_on("bench/README.md", f"{gloo * 1e6:.1f} us of CPU per {mlp['step_cpu_median_s'] * 1e3:.1f}-ms MLP step")
+    counts = result("call_count")["modes"]
+    added = [counts[m]["calls_per_step"]["safe"] - counts[m]["calls_per_step"]["stock"] for m in ("nolog", "sync_dist")]
+    assert_on("bench/README.md", f"safe adds {added[0]:.0f} calls per step without logging and {added[1]:.0f} with")
+    beats = {
+        commit: [
+            result(f"strategy_cost-tiny1000-{commit}-{i}")["workloads"][0]["threads_cpu_per_step_s"][
+                "ddp_strategy-heartbeat-rank0"
+            ]
+            * 1e6
+            for i in (1, 2)
+        ]
+        for commit in ("3cad485", "8be0d33")
+    }
+    assert_on(
+        "bench/README.md",
+        f"{beats['3cad485'][0]:.1f} and {beats['3cad485'][1]:.1f} us per step before",
+        f"{beats['8be0d33'][0]:.1f} and {beats['8be0d33'][1]:.1f} after",
+    )
+    for commit in ("f7345a8", "6b76bcc"):
+        targets = {t["mode"]: t for t in result(f"tiny_step-intel-{commit}")["analysis"]["targets"]}
+        wall = " / ".join(f"{targets[m]['wall']:.3f}" for m in ("nolog", "sync_dist"))
+        cpu = " / ".join(f"{targets[m]['cpu']:.3f}" for m in ("nolog", "sync_dist"))
+        row = page("bench/README.md").split(f"| {commit} | `bench/results/tiny_step-intel-{commit}")[1].split("|")
+        assert row[1].replace("*", "").strip() == wall and row[2].replace("*", "").strip() == cpu
+    for commit, over in (("f7345a8", 1), ("3c7f37d", 0)):  # the 512-call batches, then the 0.25-ms hold
+        holds = [f["background_holds"] for f in result(f"step_pauses-intel-{commit}")["fits"] if f["variant"] == "safe"]
+        assert (max(h["over_1ms"] for h in holds) >= 1) == bool(over)
+    holds = [f["background_holds"] for f in result("step_pauses-intel-3c7f37d")["fits"] if f["variant"] == "safe"]
+    longest = " and ".join(f"{h['longest']['cpu_s'] * 1e3:.3f}" for h in holds)
+    assert_on("bench/README.md", f"The longest, {longest} ms, is the audit's recorder dump")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -365,11 +426,16 @@ def test_waiting_thread_tiny_model_and_calls_counted():
         "strategy_cost",
         "strategy_cost-idle-reference",
         "call_count",
+        "call_count-72e9c5a",
+        "strategy_cost-intel-3c7f37d",
+        "strategy_cost-intel-6b76bcc",
         "suite",
         "tiny_step",
         "tiny_step-heavy-load",
         "tiny_step-intel-dc04d0b",
         "tiny_step-intel-72e9c5a",
+        "tiny_step-intel-f7345a8",
+        "tiny_step-intel-6b76bcc",
     ],
 )
 def test_results_are_from_the_versions_bench_readme_names(name: str):

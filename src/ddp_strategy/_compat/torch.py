@@ -75,7 +75,7 @@ def new_control_gloo_group(timeout: Any) -> Any:
     """A new gloo group of every rank for the control plane (collective: every rank calls it, and takes one branch).
 
     Each gloo *device* has a network thread that wakes every 10 ms (its ``epoll_wait`` timeout) for as long as the
-    device lives, used or not: ``bench/strategy_cost.py`` measured it at 0.5 ms of CPU per 128-ms step on a VM,
+    device lives, used or not: ``bench/strategy_cost.py`` measured it at 0.5 ms of CPU per 128.5-ms step on a VM,
     more than the rest of the strategy's background work together. So when the default group already runs gloo on
     the CPU, the new group uses that group's device, and thread: same world, same machine, same transport. That
     device connects every pair when a group is made (unless the user set ``TORCH_GLOO_LAZY_INIT``), as the default

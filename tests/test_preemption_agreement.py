@@ -300,6 +300,31 @@ def test_a_signal_after_a_stop_ends_the_rank_with_the_stops_exit_code():
     assert run.stdout == "handlers set\n", run.stdout
 
 
+_SIGNAL_AT_INTERPRETER_EXIT_AFTER_A_STOP = """
+import atexit, os, signal, sys
+from ddp_strategy._compat.signals import exit_with_code_on
+
+def at_exit():  # registered first, so it runs after the strategy's own atexit callbacks (last in, first out)
+    print("ignored" if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN else "handled", flush=True)
+    os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's agent, as the interpreter finalizes
+
+atexit.register(at_exit)
+exit_with_code_on([signal.SIGUSR1], 128 + signal.SIGUSR1)
+sys.exit(128 + signal.SIGUSR1)
+"""
+
+
+def test_a_signal_while_a_stopped_rank_finalizes_is_ignored_and_the_rank_exits_with_the_stops_code():
+    """The interpreter's finalization would put the default action back (exit -15 under torchrun, seen once): at
+    exit, after the stop, the stop's signals are ignored and the process ends with its own code."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", _SIGNAL_AT_INTERPRETER_EXIT_AFTER_A_STOP]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 128 + signal.SIGUSR1 and run.stdout == "ignored\n", (run.returncode, run.stdout)
+
+
 def _stopped_rank_that_aborts_at_exit(out: str) -> None:
     """A spawn rank that stops for SIGTERM (``Preempted``) with something that aborts at interpreter exit, as the
     SIGABRT once seen after a correct stop ("terminate called without an active exception"); it has a child

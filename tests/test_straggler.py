@@ -216,7 +216,9 @@ def test_slow_rank_is_named_logged_and_plotted(tmp_path):
     rows = list(csv.DictReader((out / "step_times.csv").open()))
     assert {r["rank"] for r in rows} == {"0", "1"} and len(rows) == 2 * 20
     work = {k: sorted(float(r["work_s"]) for r in rows if r["rank"] == k) for k in ("0", "1")}
-    assert work["1"][10] > 0.05 > 5 * work["0"][10]  # medians: rank 1 works, rank 0 waits
+    # medians: the 50 ms that rank 1 sleeps in each step count as its work, and rank 0 does not work them (it waits
+    # for rank 1 in the gradient all-reduce); the step's own work, ~10 ms on this machine, is on both
+    assert work["1"][10] > 0.05 and work["1"][10] - work["0"][10] > 0.04, work
     metrics = (tmp_path / "logs" / "run" / "version_0" / "metrics.csv").read_text()
     assert "straggler/slowest_rank" in metrics and "straggler/rank1_work_s" in metrics
     if HAS_MATPLOTLIB:

@@ -6,6 +6,7 @@ Lightning namespace that Trainer is of; it is loaded once per namespace, as :mod
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -79,11 +80,24 @@ def exit_with_code_on(signals: Sequence[signal.Signals], code: int) -> None:
     For a rank that already stopped and is exiting with ``code``: a signal that arrives while it tears down (from
     ``torchrun``'s agent, once another rank exited) must not turn its exit into "killed by a signal". Only from the
     main thread (Python sets handlers there only).
+
+    At interpreter exit (an ``atexit`` callback, run before the others registered earlier) the signals are ignored
+    instead: the interpreter's finalization puts a Python handler back to the default action, which would end the
+    process as "killed by a signal" in the last moments of its exit (seen once under ``torchrun``: exit -15 on the
+    rank still finalizing when the other had exited). An ignored signal stays ignored, and the process ends with its
+    code anyway.
     """
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in signals:
         signal.signal(sig, _ExitWith(code))
+    atexit.register(_ignore, tuple(signals))
+
+
+def _ignore(signals: tuple[signal.Signals, ...]) -> None:
+    for sig in signals:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread, or a signal that cannot be ignored
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class _ExitWith:

@@ -68,9 +68,17 @@ from suite import job_processes, metadata, tail  # noqa: E402  (bench/suite.py: 
 from workloads.tiny import SHAPE, network, tiny_module  # noqa: E402  (the model, shared with other benchmarks)
 
 VARIANTS = ("raw", "stock", "safe")
+#: ``--aa``: a second stock fit takes the raw loop's place; its ratio to stock is the method's own noise (A/A)
+AA_VARIANTS = ("stock_again", "stock", "safe")
+ALL_VARIANTS = ("raw", "stock_again", "stock", "safe")
 MODES = ("nolog", "sync_dist")
-LABELS = {"raw": "raw PyTorch DDP loop", "stock": "Lightning DDPStrategy()", "safe": "SafeDDPStrategy()"}
-RATIOS = (("safe", "stock"), ("stock", "raw"), ("safe", "raw"))
+LABELS = {
+    "raw": "raw PyTorch DDP loop",
+    "stock": "Lightning DDPStrategy()",
+    "stock_again": "Lightning DDPStrategy(), again (A/A)",
+    "safe": "SafeDDPStrategy()",
+}
+RATIOS = (("safe", "stock"), ("stock_again", "stock"), ("stock", "raw"), ("safe", "raw"))
 TARGET = ("safe", "stock", 1.02)  # issue 30, point 3: safe / stock at most 1.02 in both modes
 WORLD_SIZE = 2
 FIGURES = ("step_mean_s", "step_median_s", "cpu_step_s", "process_cpu_step_s")
@@ -81,6 +89,11 @@ def config_for(quick: bool, rounds: int | None) -> dict[str, Any]:
     if quick:
         return {"rounds": rounds or 2, "warmup": 20, "chunks": 9, "chunk": 10, "batch_size": 32, "seed": 1234}
     return {"rounds": rounds or 10, "warmup": 30, "chunks": 27, "chunk": 10, "batch_size": 32, "seed": 1234}
+
+
+def variants_of(config: dict[str, Any]) -> tuple[str, ...]:
+    """The variants each round runs: raw, stock, safe; with ``--aa`` a second stock fit instead of raw."""
+    return tuple(config.get("variants", VARIANTS))
 
 
 def total_steps(config: dict[str, Any]) -> int:
@@ -105,7 +118,8 @@ def groups(config: dict[str, Any]) -> list[dict[str, Any]]:
     for r in range(config["rounds"]):
         for mode in MODES if r % 2 == 0 else tuple(reversed(MODES)):
             rng = random.Random(f"{config['seed']}/{r}/{mode}")
-            orders = [rng.sample(VARIANTS, len(VARIANTS)) for _ in range(config["chunks"] + 2)]
+            variants = variants_of(config)
+            orders = [rng.sample(variants, len(variants)) for _ in range(config["chunks"] + 2)]
             out.append({"round": r, "mode": mode, "orders": orders})
     return out
 
@@ -163,11 +177,12 @@ class Runner:
     def run_group(self, group: dict[str, Any], log: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Start the group's three jobs, hand out the chunks; return the group's record and each fit's ranks."""
         r, mode = group["round"], group["mode"]
-        prefixes = {v: f"r{r}/{mode}/{v}" for v in VARIANTS}
+        variants = variants_of(self.config)
+        prefixes = {v: f"r{r}/{mode}/{v}" for v in variants}
         started = time.monotonic()
         jobs: dict[str, Any] = {}
         try:
-            for v in VARIANTS:
+            for v in variants:
                 jobs[v] = self.launch(prefixes[v], v, mode)
             ready = [key(p, "ready", rank) for p in prefixes.values() for rank in range(WORLD_SIZE)]
             self.wait_keys(ready, jobs, started + self.timeout)  # every rank at its first step: start-up is over
@@ -204,7 +219,7 @@ class Runner:
             "loadavg": loads,
         }
         fits = []
-        for v in VARIANTS:
+        for v in variants:
             ranks = [json.loads(Path(f"{jobs[v][1]}.rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
             fits.append({"round": r, "mode": mode, "variant": v, "ranks": ranks})
         return record, fits
@@ -272,7 +287,7 @@ def worker(args: argparse.Namespace) -> None:
     from ddp_strategy import SafeDDPStrategy
 
     imported = time.time()
-    variant, sync = args.variant, args.mode == "sync_dist"
+    variant, sync, values = args.variant, args.mode == "sync_dist", int(config.get("logs", 1))
     rank = int(os.environ["RANK"])
     baton = Baton(args.baton, args.prefix, rank)
     chunk_at = {step: c for c, step in enumerate(chunk_starts(config))}
@@ -328,8 +343,8 @@ def worker(args: argparse.Namespace) -> None:
         for done, (x, y) in enumerate(loader, start=1):
             clock.step_start()
             loss = F.cross_entropy(ddp(x), y)
-            if sync:  # Lightning's _sync_ddp for a step-level sync_dist log: barrier, all-reduce (sum), mean
-                value = loss.detach().clone()
+            for i in range(values if sync else 0):  # Lightning's _sync_ddp per sync_dist value: barrier, sum, mean
+                value = loss.detach().clone() * (i or 1)
                 dist.barrier()
                 dist.all_reduce(value)
                 value /= world
@@ -341,7 +356,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         pl.seed_everything(config["seed"], verbose=False)
         safe_kwargs = config.get("safe_kwargs") or {}
-        strategy: DDPStrategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy(**safe_kwargs)
+        strategy: DDPStrategy = SafeDDPStrategy(**safe_kwargs) if variant == "safe" else DDPStrategy()
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD_SIZE,
@@ -355,7 +370,10 @@ def worker(args: argparse.Namespace) -> None:
             enable_model_summary=False,
             default_root_dir=f"{args.out}-root",  # in the runner's temporary directory
         )
-        trainer.fit(tiny_module(sync_dist=sync), DataLoader(dataset, batch_size=config["batch_size"], shuffle=True))
+        trainer.fit(
+            tiny_module(sync_dist=sync, values=values),
+            DataLoader(dataset, batch_size=config["batch_size"], shuffle=True),
+        )
         handshake = getattr(trainer.strategy, "last_handshake_seconds", None)
     payload = {
         "rank": rank,
@@ -397,7 +415,7 @@ def cells(fits: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, An
 def summary(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for mode in MODES:
-        for variant in VARIANTS:
+        for variant in ALL_VARIANTS:
             records = by_cell.get((mode, variant))
             if not records:
                 continue
@@ -408,14 +426,26 @@ def summary(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[s
     return rows
 
 
+def median_interval(values: list[float], *, level: float = 0.9, resamples: int = 2000) -> list[float]:
+    """A bootstrap interval (percentile, seeded) of the median of ``values``: how far the rounds pin it down."""
+    rng = random.Random(1234)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return [medians[int(tail * resamples)], medians[min(resamples - 1, int((1.0 - tail) * resamples))]]
+
+
 def ratio(num: list[dict[str, Any]], den: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Ratio of the medians over rounds; the per-round (paired) ratios' and differences' median [min, max]."""
+    """Ratio of the medians over rounds; the per-round (paired) ratios' and differences' median [min, max].
+
+    ``paired_interval``: a 90% bootstrap interval of the paired ratios' median.
+    """
     of_medians = statistics.median(r[name] for r in num) / statistics.median(r[name] for r in den)
     by_round = {r["round"]: r[name] for r in den}
     pairs = [(r[name], by_round[r["round"]]) for r in num if r["round"] in by_round]
     return {
         "of_medians": of_medians,
         "paired": spread([a / b for a, b in pairs]) if pairs else None,
+        "paired_interval": median_interval([a / b for a, b in pairs]) if pairs else None,
         "paired_difference_s": spread([a - b for a, b in pairs]) if pairs else None,
     }
 
@@ -449,6 +479,7 @@ def targets(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "limit": limit,
                 "wall": wall["of_medians"],
                 "wall_paired": wall["paired"],
+                "wall_paired_interval": wall.get("paired_interval"),
                 "wall_added_s": wall["paired_difference_s"],
                 "cpu_added_s": cpu["paired_difference_s"],
                 "median_step": row["step_median_s"]["of_medians"],
@@ -461,10 +492,34 @@ def targets(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def per_value(by_cell: dict[tuple[str, str], list[dict[str, Any]]], logs: int) -> dict[str, Any] | None:
+    """Training-thread CPU that safe adds per ``sync_dist`` value: per round, safe's paired CPU added over stock in
+    ``sync_dist`` mode less that in ``nolog`` mode, over the values logged per step; median [min, max] of rounds."""
+    added: dict[str, dict[int, float]] = {}
+    for mode in MODES:
+        stock = {r["round"]: r["cpu_step_s"] for r in by_cell.get((mode, "stock"), [])}
+        added[mode] = {
+            r["round"]: r["cpu_step_s"] - stock[r["round"]]
+            for r in by_cell.get((mode, "safe"), [])
+            if r["round"] in stock
+        }
+    rounds = sorted(set(added["sync_dist"]) & set(added["nolog"]))
+    if not rounds:
+        return None
+    values = [(added["sync_dist"][r] - added["nolog"][r]) / logs for r in rounds]
+    return {"logs": logs, "cpu_added_s": spread(values), "interval_s": median_interval(values)}
+
+
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
     by_cell = cells(result["fits"])
     ratio_rows = ratios(by_cell)
-    return {"rows": summary(by_cell), "ratios": ratio_rows, "targets": targets(ratio_rows)}
+    logs = int(result.get("config", {}).get("logs", 1))
+    return {
+        "rows": summary(by_cell),
+        "ratios": ratio_rows,
+        "targets": targets(ratio_rows),
+        "per_sync_dist_value": per_value(by_cell, logs),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -536,17 +591,30 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         "training thread's CPU time; *added per step*: safe's figure minus stock's in the same round, median [min, "
         "max]:",
         "",
-        "| mode | target | mean | mean: paired | median step | CPU | process CPU | result | by CPU "
-        "| added per step, paired (us): mean | CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | target | mean | mean: paired | mean: paired median, 90% interval | median step | CPU | process CPU "
+        "| result | by CPU | added per step, paired (us): mean | CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in analysis["targets"]:
+        interval = t.get("wall_paired_interval")
         lines.append(
             f"| {t['mode']} | {t['target']} | {t['wall']:.3f} | {paired_text(t['wall_paired'])} | "
+            + (f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "-")
+            + " | "
             f"{t['median_step']:.3f} | {t['cpu']:.3f} | {t['process_cpu']:.3f} | "
             f"{'met' if t['met'] else '**missed**'} | {'met' if t['met_by_cpu'] else '**missed**'} | "
             f"{us_spread(t['wall_added_s'])} | {us_spread(t['cpu_added_s'])} |"
         )
+    value = analysis.get("per_sync_dist_value")
+    if value:
+        (low, high), c = value["interval_s"], value["cpu_added_s"]
+        lines += [
+            "",
+            f"Training-thread CPU safe adds per `sync_dist` value ({value['logs']} logged per step; per round, the "
+            f"CPU added in sync_dist mode less that in nolog mode, over {value['logs']}): "
+            f"{c['median'] * 1e6:.1f} [{c['min'] * 1e6:.1f}, {c['max'] * 1e6:.1f}] us, median [min, max]; "
+            f"90% interval of the median [{low * 1e6:.1f}, {high * 1e6:.1f}] us.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -559,6 +627,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, help="timed chunks per fit (default 27, quick 9)")
     parser.add_argument("--chunk", type=int, help="steps per chunk, the first untimed (default 10)")
     parser.add_argument("--no-pin", action="store_true", help="leave the ranks' cores to the scheduler")
+    parser.add_argument(
+        "--logs", type=int, default=1, help="values each sync_dist step logs (default 1): > 1 gives the cost per value"
+    )
+    parser.add_argument(
+        "--aa", action="store_true", help="a second stock fit instead of the raw loop: the method's noise (A/A)"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
     parser.add_argument(
@@ -569,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker_args = parser.add_argument_group("worker (one rank of one fit, started by torchrun)")
     worker_args.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    worker_args.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    worker_args.add_argument("--variant", choices=ALL_VARIANTS, help=argparse.SUPPRESS)
     worker_args.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     worker_args.add_argument("--baton", help=argparse.SUPPRESS)
     worker_args.add_argument("--prefix", help=argparse.SUPPRESS)
@@ -589,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     config["pin_cores"] = not args.no_pin
     if args.safe_kwargs:
         config["safe_kwargs"] = args.safe_kwargs
+    if args.aa:
+        config["variants"] = list(AA_VARIANTS)
+    if args.logs != 1:
+        config["logs"] = args.logs
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")
     started = time.monotonic()
 
@@ -600,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-tiny-step-") as tmp:
         runner = Runner(config, Path(tmp), args.timeout)
         for group in groups(config):
-            log(f"round {group['round'] + 1}/{config['rounds']}, {group['mode']}: starting raw, stock, safe")
+            starting = ", ".join(variants_of(config))
+            log(f"round {group['round'] + 1}/{config['rounds']}, {group['mode']}: starting {starting}")
             record, group_fits = runner.run_group(group, log)
             records.append(record)
             fits += group_fits

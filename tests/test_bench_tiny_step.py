@@ -132,3 +132,48 @@ def test_report_renders_the_tables():
     assert "| sync_dist | safe / stock <= 1.02 | 1.050 | 1.050 [1.050, 1.050] |" in text
     assert "**missed** | met | 275 [250, 300] | 0 [0, 0] |" in text  # safe's wall added: 5% of 5.0-6.0 ms
     assert "1.50 to 2.50" in text
+
+
+def test_aa_runs_a_second_stock_fit_instead_of_raw_and_reports_its_ratio_to_stock():
+    """``--aa``: the method's own noise, a stock fit against a stock fit of the same round."""
+    config = {**tiny.config_for(quick=True, rounds=None), "variants": list(tiny.AA_VARIANTS)}
+    assert tiny.variants_of(config) == ("stock_again", "stock", "safe")
+    assert all(sorted(order) == sorted(tiny.AA_VARIANTS) for g in tiny.groups(config) for order in g["orders"])
+    aa = [dict(f, variant="stock_again") for f in fits(safe=(1.0, 1.0)) if f["variant"] == "raw"]
+    stock = {(f["round"], f["mode"]): f for f in fits(safe=(1.0, 1.0)) if f["variant"] == "stock"}
+    for fit in aa:  # the second stock fit is 3% slower in odd rounds, 1% faster in even ones
+        factor = 1.03 if fit["round"] % 2 else 0.99
+        rank = {**stock[(fit["round"], fit["mode"])]["ranks"][0]}
+        rank["step_mean_s"] *= factor
+        fit["ranks"] = [rank, rank]
+    analysis = tiny.analyse({"fits": aa + list(stock.values())})
+    row = by(analysis, "ratios", "nolog", "stock_again / stock")["step_mean_s"]
+    assert row["paired"] == pytest.approx({"median": 1.01, "min": 0.99, "max": 1.03})
+    low, high = row["paired_interval"]
+    assert 0.99 <= low <= 1.01 <= high <= 1.03  # the bootstrap interval of the median lies within the rounds' span
+    assert not [r for r in analysis["ratios"] if "raw" in r["ratio"]]  # no raw fits: no ratios to them
+
+
+def test_median_interval_is_seeded_and_narrows_with_more_rounds():
+    few = [1.0, 1.1, 0.95, 1.05, 1.02]
+    assert tiny.median_interval(few) == tiny.median_interval(few)
+    low, high = tiny.median_interval(few)
+    many = few * 8
+    low8, high8 = tiny.median_interval(many)
+    assert min(few) <= low <= high <= max(few) and high8 - low8 < high - low
+
+
+def test_cpu_added_per_sync_dist_value_is_the_modes_paired_difference_over_the_values_logged():
+    """safe adds 0.1 ms of CPU per step in both modes here, plus 4 us per value in sync_dist mode (8 values)."""
+    out = []
+    for fit in fits(safe=(1.0, 1.1)):
+        if fit["variant"] == "safe" and fit["mode"] == "sync_dist":
+            rank = {**fit["ranks"][0], "cpu_step_s": fit["ranks"][0]["cpu_step_s"] + 8 * 4e-6}
+            fit = {**fit, "ranks": [rank, rank]}
+        out.append(fit)
+    analysis = tiny.analyse({"fits": out, "config": {"logs": 8}})
+    value = analysis["per_sync_dist_value"]
+    assert value["logs"] == 8
+    assert value["cpu_added_s"] == pytest.approx({"median": 4e-6, "min": 4e-6, "max": 4e-6})
+    assert value["interval_s"] == pytest.approx([4e-6, 4e-6])
+    assert tiny.analyse({"fits": [f for f in out if f["mode"] == "nolog"]})["per_sync_dist_value"] is None

@@ -20,8 +20,11 @@ def network() -> nn.Sequential:
     return nn.Sequential(nn.Linear(SHAPE[0], SHAPE[1]), nn.ReLU(), nn.Linear(SHAPE[1], SHAPE[2]))
 
 
-def tiny_module(*, sync_dist: bool) -> Any:
-    """The model as a ``LightningModule``; with ``sync_dist``, ``self.log("loss", loss, sync_dist=True)`` every step."""
+def tiny_module(*, sync_dist: bool, values: int = 1) -> Any:
+    """The model as a ``LightningModule``; with ``sync_dist``, ``self.log("loss", loss, sync_dist=True)`` every step.
+
+    ``values``: how many values each step logs so (``loss``, then ``loss1``, ``loss2``, ...: the loss scaled).
+    """
     import lightning.pytorch as pl
 
     class TinyModule(pl.LightningModule):
@@ -34,6 +37,8 @@ def tiny_module(*, sync_dist: bool) -> Any:
             loss = nn.functional.cross_entropy(self.net(x), y)
             if sync_dist:
                 self.log("loss", loss, sync_dist=True)
+                for i in range(1, values):
+                    self.log(f"loss{i}", loss * i, sync_dist=True)
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:

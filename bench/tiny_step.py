@@ -265,6 +265,18 @@ def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, 
     }
 
 
+def own_threads_cpu() -> float:
+    """CPU seconds of the strategy's own threads (named ``ddp_strategy-...``) in this process, from ``/proc``."""
+    import threading
+
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("ddp_strategy") and thread.native_id is not None:
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                total += int(Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()[0]) / 1e9
+    return total
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of one fit (under torchrun): train in the baton's chunks; write this rank's ``OUT.rank<R>.json``."""
     config = json.loads(args.worker_config)
@@ -301,6 +313,8 @@ def worker(args: argparse.Namespace) -> None:
             self.previous: tuple[float, float, float] | None = None
             self.steps: list[tuple[int, float, float, float]] = []
             self.threads_in_window: int | None = None
+            self.own_threads_at = (0.0, 0.0)
+            self.own_threads_cpu_per_s: float | None = None
             self.fit_to_first_step: float | None = None
 
         def step_start(self) -> None:
@@ -314,6 +328,10 @@ def worker(args: argparse.Namespace) -> None:
                 now = (time.perf_counter(), time.thread_time(), time.process_time())
             if self.index == config["warmup"]:
                 self.threads_in_window = threading.active_count()
+                self.own_threads_at = (time.perf_counter(), own_threads_cpu())
+            if self.index == steps - 1:  # the closing step: the window of the timed chunks is over
+                wall, cpu = time.perf_counter() - self.own_threads_at[0], own_threads_cpu() - self.own_threads_at[1]
+                self.own_threads_cpu_per_s = cpu / wall
             self.previous = now
             self.index += 1
 
@@ -386,6 +404,7 @@ def worker(args: argparse.Namespace) -> None:
         "handshake_s": handshake,
         "threads_in_window": clock.threads_in_window,
         "threads_after_fit": threading.active_count(),
+        "own_threads_cpu_per_s": clock.own_threads_cpu_per_s,
         **fit_figures(clock.steps, config),
     }
     out = Path(f"{args.out}.rank{rank}.json")
@@ -408,6 +427,7 @@ def cells(fits: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, An
     for fit in fits:
         rank0, rank1 = fit["ranks"][0], fit["ranks"][1]
         record = {"round": fit["round"], **{k: rank0[k] for k in FIGURES}, "rank1_step_mean_s": rank1["step_mean_s"]}
+        record["own_threads_cpu_per_s"] = rank0.get("own_threads_cpu_per_s")  # None in runs before it was measured
         out.setdefault((fit["mode"], fit["variant"]), []).append(record)
     return out
 
@@ -510,6 +530,26 @@ def per_value(by_cell: dict[tuple[str, str], list[dict[str, Any]]], logs: int) -
     return {"logs": logs, "cpu_added_s": spread(values), "interval_s": median_interval(values)}
 
 
+def own_cpu_per_step(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per mode, safe's own CPU per step without instrumentation: per round, its training thread's CPU added over
+    stock's, plus its own threads' CPU per second times its mean step; median [min, max] of rounds (both parts too).
+    """
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        stock = {r["round"]: r["cpu_step_s"] for r in by_cell.get((mode, "stock"), [])}
+        safe = [r for r in by_cell.get((mode, "safe"), []) if r["round"] in stock]
+        if not safe or any(r.get("own_threads_cpu_per_s") is None for r in safe):
+            continue
+        added = [r["cpu_step_s"] - stock[r["round"]] for r in safe]
+        threads = [r["own_threads_cpu_per_s"] * r["step_mean_s"] for r in safe]
+        out[mode] = {
+            "total_s": spread([a + t for a, t in zip(added, threads, strict=True)]),
+            "training_thread_added_s": spread(added),
+            "own_threads_s": spread(threads),
+        }
+    return out
+
+
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
     by_cell = cells(result["fits"])
     ratio_rows = ratios(by_cell)
@@ -519,6 +559,7 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
         "ratios": ratio_rows,
         "targets": targets(ratio_rows),
         "per_sync_dist_value": per_value(by_cell, logs),
+        "own_cpu_per_step": own_cpu_per_step(by_cell),
     }
 
 
@@ -605,6 +646,22 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
             f"{'met' if t['met'] else '**missed**'} | {'met' if t['met_by_cpu'] else '**missed**'} | "
             f"{us_spread(t['wall_added_s'])} | {us_spread(t['cpu_added_s'])} |"
         )
+    own = analysis.get("own_cpu_per_step") or {}
+    if own:
+        lines += [
+            "",
+            "Safe's own CPU per step, uninstrumented (issue 30, point 1): per round, its training thread's CPU added "
+            "over stock's (paired) plus its own threads' CPU (`ddp_strategy-*`, from `/proc`, over the timed chunks' "
+            "window, per second of it) times its mean step; median [min, max] over rounds, in microseconds:",
+            "",
+            "| mode | own CPU per step | training thread, added | own threads |",
+            "|---|---|---|---|",
+        ]
+        for mode, o in own.items():
+            lines.append(
+                f"| {mode} | {us_spread(o['total_s'])} | {us_spread(o['training_thread_added_s'])} | "
+                f"{us_spread(o['own_threads_s'])} |"
+            )
     value = analysis.get("per_sync_dist_value")
     if value:
         (low, high), c = value["interval_s"], value["cpu_added_s"]

@@ -177,3 +177,17 @@ def test_cpu_added_per_sync_dist_value_is_the_modes_paired_difference_over_the_v
     assert value["cpu_added_s"] == pytest.approx({"median": 4e-6, "min": 4e-6, "max": 4e-6})
     assert value["interval_s"] == pytest.approx([4e-6, 4e-6])
     assert tiny.analyse({"fits": [f for f in out if f["mode"] == "nolog"]})["per_sync_dist_value"] is None
+
+
+def test_own_cpu_per_step_adds_the_strategy_threads_cpu_at_the_fits_step_rate_to_the_added_thread_cpu():
+    out = []
+    for fit in fits(safe=(1.0, 1.1)):  # safe's training thread: 0.1 ms more CPU per step than stock's, both modes
+        threads = 0.002 if fit["variant"] == "safe" else None
+        ranks = [{**rank, "own_threads_cpu_per_s": threads} for rank in fit["ranks"]]
+        out.append({**fit, "ranks": ranks})
+    own = tiny.analyse({"fits": out})["own_cpu_per_step"]
+    # the threads: 2 ms of CPU a second at safe's 5.0-6.0 ms mean step (the round's load): 10 to 12 us per step
+    assert own["nolog"]["own_threads_s"] == pytest.approx({"median": 11e-6, "min": 10e-6, "max": 12e-6})
+    assert own["nolog"]["training_thread_added_s"]["median"] == pytest.approx(1e-4)
+    assert own["sync_dist"]["total_s"]["median"] == pytest.approx(1e-4 + 11e-6)
+    assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["own_cpu_per_step"] == {}  # runs before it was measured

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ._compat.lightning import logged_metric_of_caller
@@ -21,7 +22,7 @@ from .desync import DesyncMonitor
 from .gather_shapes import check_gather_shapes
 from .positions import call_site
 
-__all__ = ["CollectiveCalls", "mean_in_floating_point"]
+__all__ = ["CollectiveCalls", "all_reduce_value", "mean_in_floating_point"]
 
 _TEXTS_KEPT = 1024  # the texts of this many distinct reduces at most (then they are made anew)
 
@@ -35,6 +36,34 @@ def mean_in_floating_point(tensor: Tensor, reduce_op: Any) -> Tensor:
     if not torch.is_floating_point(tensor) and str(reduce_op).lower() in ("mean", "avg"):
         return tensor.double()
     return tensor
+
+
+def all_reduce_value(value: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+    """``value`` reduced over ``group`` in place by one all-reduce: Lightning's ``DDPStrategy.reduce``, no barrier.
+
+    Lightning's ``_sync_ddp`` runs ``torch.distributed.barrier`` before each all-reduce of a ``self.log(...,
+    sync_dist=True)`` value. The all-reduce waits for every rank by itself; the barrier doubles the collectives
+    per value (on NCCL it also blocks the host until the device reaches it). The rest is Lightning's: ``"mean"`` is
+    ``"avg"``; gloo has no average, so it sums and divides by the group's size (an integer tensor takes the floored
+    quotient, as in Lightning: the strategy hands it a double for a mean, :func:`mean_in_floating_point`); another
+    name is that ``ReduceOp`` member; ``None`` sums; a ``ReduceOp`` is used as given. Anything but a tensor, or
+    without an initialized process group, is returned unchanged.
+    """
+    if not isinstance(value, Tensor) or not (dist.is_available() and dist.is_initialized()):
+        return value
+    group = dist.group.WORLD if group is None else group
+    op, divide = dist.ReduceOp.SUM if reduce_op is None else reduce_op, False
+    if isinstance(reduce_op, str):
+        name = "avg" if reduce_op == "mean" else reduce_op
+        if name.lower() == "avg" and dist.get_backend(group) == "gloo":
+            op, divide = dist.ReduceOp.SUM, True
+        else:
+            op = getattr(dist.ReduceOp, name.upper())
+    dist.all_reduce(value, op=op, group=group)
+    if not divide:
+        return value
+    world_size = dist.get_world_size(group)
+    return value.div_(world_size) if torch.is_floating_point(value) else value.copy_(value / world_size)
 
 
 class CollectiveCalls:

@@ -25,7 +25,7 @@ from .bucket_layout import BucketLayoutKeeper
 from .callbacks.sharding_check import ensure_sharding_check
 from .checkpoint.async_writer import AsyncCheckpointWriter
 from .checkpoint.io import SafeCheckpointIO
-from .collective_calls import mean_in_floating_point
+from .collective_calls import all_reduce_value, mean_in_floating_point
 from .control import ControlPlane
 from .evaluation.coordinator import ExactEvaluation
 from .features import build_features
@@ -296,12 +296,15 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """``DDPStrategy.reduce``: integer means exact, ``UnevenEvaluationError`` in an uneven evaluation step."""
+        """``DDPStrategy.reduce`` by one all-reduce, no barrier (:func:`all_reduce_value`); exact integer means.
+
+        Raises ``UnevenEvaluationError`` in an uneven evaluation step.
+        """
         if isinstance(tensor, Tensor):
             self._evaluation.check_collective(_REDUCE_CALL)
             if not tensor.is_floating_point():  # one method call for the usual float value
                 tensor = mean_in_floating_point(tensor, reduce_op)
-        return self._calls.reduce(super().reduce, tensor, group, reduce_op)
+        return self._calls.reduce(all_reduce_value, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -174,6 +174,14 @@ def instrument_strategy(counters: Counters) -> Callable[[], None]:
                 else functools.partial(delattr, DDPStrategy, name)
             )
 
+    # the strategy's `reduce` makes its all-reduce through `all_reduce_value` (Lightning's `DDPStrategy.reduce`
+    # without the barrier): the collective, as `DDPStrategy.reduce` was, is not the strategy's own time
+    from ddp_strategy import strategy as strategy_module
+
+    reduce_value = strategy_module.all_reduce_value
+    setattr(strategy_module, "all_reduce_value", _timed(reduce_value, "reduce", counters, inner=True))  # noqa: B010
+    undo.append(functools.partial(setattr, strategy_module, "all_reduce_value", reduce_value))
+
     def restore() -> None:
         for action in reversed(undo):
             action()

@@ -82,6 +82,7 @@ bench: $(STAMP)
 	$(PY) bench/call_count.py
 	$(PY) bench/consistency_cost.py
 	$(PY) bench/desync_cost.py
+	$(PY) bench/flight_recorder_cost.py
 	$(PY) bench/control_plane_scale.py --worlds 8,64,256,512 --label after
 	$(PY) bench/tiny_step.py
 

@@ -436,6 +436,10 @@ def test_control_group_thread_and_log_wrapper_counted():
         "tiny_step-intel-72e9c5a",
         "tiny_step-intel-f7345a8",
         "tiny_step-intel-6b76bcc",
+        "tiny_step-intel-aa-761665f",
+        "tiny_step-intel-aa-4e4b5ee",
+        "tiny_step-intel-aa20-ac807a3",
+        "flight_recorder_cost",
     ],
 )
 def test_results_are_from_the_versions_bench_readme_names(name: str):
@@ -444,3 +448,77 @@ def test_results_are_from_the_versions_bench_readme_names(name: str):
     assert meta["torch"].startswith("2.14.1")
     assert meta.get("lightning", "2.6.6") == "2.6.6"
     assert_on("bench/README.md", "torch 2.14.1", "lightning 2.6.6")
+
+
+AA_RUNS = ("aa-761665f", "aa-4e4b5ee", "aa20-ac807a3")
+
+
+def _aa(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    analysis = result(f"tiny_step-intel-{name}")["analysis"]
+    targets = {t["mode"]: t for t in analysis["targets"]}
+    aa = {r["mode"]: r for r in analysis["ratios"] if r["ratio"] == "stock_again / stock"}
+    return targets, aa, analysis["own_cpu_per_step"]
+
+
+def test_tiny_step_a_a_runs_and_reduce_without_the_barrier():
+    """bench/README.md's 2026-11-28 table and sentences: the A/A runs, the intervals, safe's own CPU per step."""
+    modes = ("nolog", "sync_dist")
+    for name in AA_RUNS:
+        targets, aa, own = _aa(name)
+        cells = page("bench/README.md").split(f"`bench/results/tiny_step-intel-{name}.{{json,md}}` |")[1].split("|")
+        assert cells[0].strip() == " / ".join(f"{targets[m]['wall']:.3f}" for m in modes)
+        assert cells[1].strip() == " / ".join(f"{aa[m]['step_mean_s']['of_medians']:.3f}" for m in modes)
+        assert cells[2].strip() == " / ".join(f"{targets[m]['cpu']:.3f}" for m in modes)
+        assert cells[3].strip() == " / ".join(f"{own[m]['total_s']['median'] * 1e6:.0f}" for m in modes)
+    runs = [_aa(name) for name in AA_RUNS]
+    aa_medians = [r[1][m]["step_mean_s"]["of_medians"] for r in runs for m in modes]
+    aa_paired = [r[1][m]["step_mean_s"]["paired"] for r in runs for m in modes]
+    intervals = [r[0]["nolog"]["wall_paired_interval"] for r in runs]
+    new = runs[1][0]["sync_dist"]
+    added = [r[2]["nolog"]["training_thread_added_s"]["median"] * 1e6 for r in runs]
+    threads = [r[2]["nolog"]["own_threads_s"]["median"] * 1e6 for r in runs]
+    totals = [r[2]["nolog"]["total_s"]["median"] * 1e6 for r in runs]
+    assert_on(
+        "bench/README.md",
+        f"the A/A ratios of medians are {min(aa_medians):.3f} to {max(aa_medians):.3f}",
+        f"their per-round paired ratios span {min(p['min'] for p in aa_paired):.3f} to "
+        f"{max(p['max'] for p in aa_paired):.3f}",
+        f"[{intervals[0][0]:.3f}, {intervals[0][1]:.3f}] at 761665f and [{intervals[1][0]:.3f}, "
+        f"{intervals[1][1]:.3f}] at 4e4b5ee",
+        f"safe's mean step is {new['wall']:.3f} of stock's at 4e4b5ee (paired {new['wall_paired']['median']:.3f}, its "
+        f"90% interval [{new['wall_paired_interval'][0]:.3f}, {new['wall_paired_interval'][1]:.3f}])",
+        f"uses {-new['cpu_added_s']['median'] * 1e6:.0f} us less CPU per step",
+        f"the training thread adds {added[0]:.0f} and {added[1]:.0f} us per step (paired medians), and safe's own "
+        f"threads {threads[0]:.0f} and {threads[1]:.0f} us, so {totals[0]:.0f} and {totals[1]:.0f} us",
+    )
+    stock_cpu = [
+        row["cpu_step_s"]["median"] * 1e3
+        for name in AA_RUNS
+        for row in result(f"tiny_step-intel-{name}")["analysis"]["rows"]
+        if (row["mode"], row["variant"]) == ("nolog", "stock")
+    ]
+    assert_on("bench/README.md", f"({min(stock_cpu[:2]):.1f} to {max(stock_cpu[:2]):.1f} ms of stock's CPU)")
+    (long, _, own20) = runs[2]
+    nolog, sync = long["nolog"], long["sync_dist"]
+    assert_on(
+        "bench/README.md",
+        f"safe/stock **{nolog['wall']:.3f} without logging and {sync['wall']:.3f} with the `sync_dist` log**",
+        f"by training-thread CPU too ({nolog['cpu']:.3f} and {sync['cpu']:.3f})",
+        f"logging is [{nolog['wall_paired_interval'][0]:.3f}, {nolog['wall_paired_interval'][1]:.3f}], with it "
+        f"[{sync['wall_paired_interval'][0]:.3f}, {sync['wall_paired_interval'][1]:.3f}]",
+        f"without logging: {own20['nolog']['total_s']['median'] * 1e6:.0f} us "
+        f"({own20['nolog']['training_thread_added_s']['median'] * 1e6:.0f} on the training thread, "
+        f"{own20['nolog']['own_threads_s']['median'] * 1e6:.0f} on its threads",
+        f"which span {own20['nolog']['total_s']['min'] * 1e6:.0f} to {own20['nolog']['total_s']['max'] * 1e6:.0f})",
+    )
+    assert_on(
+        "README.md",
+        f"{nolog['wall']:.3f} without logging; {sync['wall']:.3f} with `self.log(..., sync_dist=True)` every step",
+        f"two stock fits differ by {min(aa_medians):.3f} to {max(aa_medians):.3f} by the same method",
+    )
+    fr = result("flight_recorder_cost")["analysis"]["added_per_call_s"]
+    assert_on(
+        "bench/README.md",
+        f"measures it: {fr['median'] * 1e6:.1f} us of the calling thread's CPU per collective (paired per round, "
+        f"median of 6; {fr['min'] * 1e6:.1f} to {fr['max'] * 1e6:.1f};",
+    )

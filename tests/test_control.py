@@ -526,6 +526,17 @@ def _gloo_network_threads() -> set[str]:
     return {t.name for t in task.iterdir() if (t / "comm").read_text().strip() == "gloo_tcp_loop"}
 
 
+def _await_gloo_network_threads(known: set[str], within: float = 5.0) -> set[str]:
+    """The network threads once one beyond ``known`` has named itself, or as they are after ``within`` seconds.
+
+    torch's gloo threads are named ``python`` until they first run, which a loaded machine can delay.
+    """
+    deadline = time.monotonic() + within
+    while not (threads := _gloo_network_threads()) - known and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux /proc")
 def test_the_control_group_uses_the_default_gloo_groups_device_and_network_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -535,7 +546,9 @@ def test_the_control_group_uses_the_default_gloo_groups_device_and_network_threa
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        threads = _gloo_network_threads()
+        # the default group's own network thread names itself once it runs: CI (torch 2.13) once listed none yet
+        threads = _await_gloo_network_threads(set())
+        assert len(threads) == 1
         group = torch_compat.new_control_gloo_group(timedelta(seconds=30))
         assert not _gloo_network_threads() - threads and dist.get_backend(group) == "ddp_strategy_gloo"
         value = torch.ones(2)
@@ -548,10 +561,6 @@ def test_the_control_group_uses_the_default_gloo_groups_device_and_network_threa
         # a world larger than SHARED_DEVICE_MOST_RANKS: a device of its own, pairs connected on first use
         monkeypatch.setattr(torch_compat, "SHARED_DEVICE_MOST_RANKS", 0)
         lazy = torch_compat.new_control_gloo_group(timedelta(seconds=30))
-        # the new thread names itself once it runs: CI (torch 2.13) once listed it before it had
-        deadline = time.monotonic() + 5.0
-        while not _gloo_network_threads() - threads and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(_gloo_network_threads() - threads) == 1 and dist.get_backend(lazy) == "gloo"
+        assert len(_await_gloo_network_threads(threads) - threads) == 1 and dist.get_backend(lazy) == "gloo"
     finally:
         dist.destroy_process_group()

@@ -57,6 +57,11 @@ def exits_at(output: str) -> list[float]:
 CASES = {
     # case: (error type, the user's line the message must name)
     "log-in-rank-zero-branch": ("CollectiveMismatchError", "self.log('x', sync_dist=True) in on_train_epoch_end"),
+    # a gloo all-reduce paired with a larger one of another rank aborts the process: the value must not be one
+    "log-in-training-step-rank-zero": (
+        "CollectiveMismatchError",
+        "self.log('step_x', sync_dist=True) in training_step",
+    ),
     "broadcast-on-rank-zero": ("CollectiveMismatchError", "strategy.broadcast"),
     "all-gather-on-rank-zero": ("CollectiveMismatchError", "self.all_gather"),
     "differing-keys": ("CollectiveMismatchError", "self.log('loss_rank0', sync_dist=True) in training_step"),
@@ -256,6 +261,7 @@ def stock_silent_completion(run: Run) -> None:
 
 STOCK_SYMPTOMS: dict[str, Callable[[Run], None]] = {
     "log-in-rank-zero-branch": stock_hang,
+    "log-in-training-step-rank-zero": stock_hang,  # Lightning's barrier before the value waits for rank 1's
     "broadcast-on-rank-zero": stock_hang,
     "all-gather-on-rank-zero": stock_hang,
     "metric-compute-on-rank-zero": stock_hang,

@@ -1,8 +1,10 @@
-"""``self.log(..., sync_dist=True)``: one all-reduce per value, no barrier before it, the same values as stock.
+"""``self.log(..., sync_dist=True)``: one collective per value, no barrier before it, the same values as stock.
 
 Lightning's ``DDPStrategy.reduce`` (``_sync_ddp``) runs ``torch.distributed.barrier`` before the all-reduce of
 every synced value: two collectives per value where one does (issue 30: the cost per ``sync_dist`` value).
-``SafeDDPStrategy.reduce`` makes the all-reduce alone (``ddp_strategy.collective_calls.all_reduce_value``).
+``SafeDDPStrategy.reduce`` makes one (``ddp_strategy.collective_calls.all_reduce_value``): the all-reduce on NCCL,
+an all-gather reduced on every rank on gloo, where an all-reduce paired with another rank's larger all-reduce
+aborts the process (``tests/test_desync.py``, case ``log-in-training-step-rank-zero``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,19 @@ def _fit(tmp_path: Path, strategy: str) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-def test_safe_logs_every_synced_value_by_one_all_reduce_and_agrees_with_stock(tmp_path: Path):
+def test_safe_logs_every_synced_value_by_one_collective_and_agrees_with_stock(tmp_path: Path):
     stock, safe = _fit(tmp_path, "ddp"), _fit(tmp_path, "safe_ddp")
     steps = len(stock[0]["raw"])
     assert steps == 7 and all(len(rank["synced"]) == steps for rank in stock + safe)
-    # the symptom: stock's barrier before each of the 3 values of every step; none with SafeDDPStrategy
-    assert [rank["barriers_in_log"] for rank in stock] == [3 * steps, 3 * steps]
-    assert [rank["barriers_in_log"] for rank in safe] == [0, 0]
+    # the symptom: stock's barrier before the all-reduce of each of the 3 values of every step; safe makes one
+    # collective per value, on gloo an all-gather (an all-reduce could be paired with DDP's larger gradient one)
+    values = 3 * steps
+    assert [rank["calls_in_log"] for rank in stock] == 2 * [
+        {"barrier": values, "all_reduce": values, "all_gather_into_tensor": 0}
+    ]
+    assert [rank["calls_in_log"] for rank in safe] == 2 * [
+        {"barrier": 0, "all_reduce": 0, "all_gather_into_tensor": values}
+    ]
     # every rank logged the same synced values, bit for bit the same as stock's
     assert safe[0]["synced"] == safe[1]["synced"] == stock[0]["synced"] == stock[1]["synced"]
     # and they are the mean, the sum and the largest of the ranks' own values
@@ -82,3 +90,64 @@ def test_all_reduce_value_returns_anything_else_and_anything_without_a_process_g
     assert not dist.is_initialized()
     value = torch.tensor([2.0])
     assert all_reduce_value(value) is value and all_reduce_value(3.5) == 3.5
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    ("value", "reduce_op", "expected"),
+    [
+        (torch.tensor([2.0, -4.0]), "product", [2.0, -4.0]),
+        (torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), "sum", [[1, 2], [3, 4]]),  # the shape and dtype kept
+        (torch.tensor(2.5, dtype=torch.float64), "min", 2.5),  # a 0-d value, as `self.log` hands it
+    ],
+)
+def test_all_reduce_value_on_gloo_gathers_once_and_reduces_on_every_rank(
+    value: torch.Tensor, reduce_op: object, expected: object, monkeypatch: pytest.MonkeyPatch
+):
+    calls = _count_collectives(monkeypatch)
+    result = all_reduce_value(value, None, reduce_op)
+    assert result is value and result.tolist() == expected and result.dtype == value.dtype
+    assert calls == ["all_gather_into_tensor"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    ("value", "reduce_op"),
+    [
+        (torch.tensor([6, 3]), dist.ReduceOp.BAND),  # an op the gather does not reduce
+        (torch.tensor([True]), "max"),  # a bool value
+        (torch.zeros(2**20 + 1), "sum"),  # more than _GATHERED_MOST_ELEMENTS gathered
+    ],
+)
+def test_all_reduce_value_on_gloo_keeps_lightnings_barrier_where_it_cannot_gather(
+    value: torch.Tensor, reduce_op: object, monkeypatch: pytest.MonkeyPatch
+):
+    expected = value.clone()
+    calls = _count_collectives(monkeypatch)
+    assert all_reduce_value(value, None, reduce_op).equal(expected)
+    assert calls == ["barrier", "all_reduce"]
+
+
+def _count_collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("barrier", "all_reduce", "all_gather_into_tensor"):
+        original = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda *a, _n=name, _o=original, **k: (calls.append(_n), _o(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.multiprocess
+def test_on_gloo_a_value_reduced_on_one_rank_only_waits_where_an_all_reduce_aborts_the_process(tmp_path: Path):
+    """The mechanism behind the gather: rank 0 reduces a 1-element value, rank 1 all-reduces 41 floats (as DDP's
+    gradient bucket). By ``dist.all_reduce`` gloo kills rank 0 with a C++ ``terminate`` (SIGABRT, no Python error);
+    by ``all_reduce_value`` both ranks' calls wait and end in gloo's timeout, a Python error desync detection acts on.
+    """
+    aborted = run_script([str(SCRIPTS / "gloo_size_mismatch.py"), "all_reduce"], timeout=90)
+    assert not aborted.orphans, aborted.describe()
+    assert "rank=0 exitcode=-6" in aborted.output, aborted.describe()  # SIGABRT, in gloo's network thread
+    assert "op.preamble.length <= op.nbytes" in aborted.output and "rank=0 raised" not in aborted.output
+    waited = run_script([str(SCRIPTS / "gloo_size_mismatch.py"), "all_reduce_value"], timeout=90)
+    assert not waited.orphans and "op.preamble.length" not in waited.output, waited.describe()
+    for rank in (0, 1):  # each rank's call returned a Python error after the group's 3-s timeout, then exited
+        assert f"rank={rank} raised RuntimeError" in waited.output, waited.describe()
+        assert f"rank={rank} exitcode=0" in waited.output, waited.describe()

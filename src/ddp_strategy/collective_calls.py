@@ -39,31 +39,88 @@ def mean_in_floating_point(tensor: Tensor, reduce_op: Any) -> Tensor:
 
 
 def all_reduce_value(value: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-    """``value`` reduced over ``group`` in place by one all-reduce: Lightning's ``DDPStrategy.reduce``, no barrier.
+    """``value`` reduced over ``group`` in place by one collective: Lightning's ``DDPStrategy.reduce``, no barrier.
 
     Lightning's ``_sync_ddp`` runs ``torch.distributed.barrier`` before each all-reduce of a ``self.log(...,
-    sync_dist=True)`` value. The all-reduce waits for every rank by itself; the barrier doubles the collectives
-    per value (on NCCL it also blocks the host until the device reaches it). The rest is Lightning's: ``"mean"`` is
-    ``"avg"``; gloo has no average, so it sums and divides by the group's size (an integer tensor takes the floored
-    quotient, as in Lightning: the strategy hands it a double for a mean, :func:`mean_in_floating_point`); another
-    name is that ``ReduceOp`` member; ``None`` sums; a ``ReduceOp`` is used as given. Anything but a tensor, or
-    without an initialized process group, is returned unchanged.
+    sync_dist=True)`` value: two collectives per value. Here it is one. On NCCL it is the all-reduce. On gloo it is an
+    all-gather, reduced on every rank in rank order (:func:`_gathered_reduction`): gloo aborts the whole process (a C++
+    ``terminate`` in its network thread) when a rank's all-reduce is paired with a larger all-reduce of another rank,
+    such as a value logged on rank 0 only against DDP's gradient all-reduce; the barrier used to keep those apart.
+    An all-gather never pairs with an all-reduce, so that mistake stays a wait that desync detection names.
+
+    The rest is Lightning's: ``"mean"`` is ``"avg"``; gloo has no average, so it sums and divides by the group's
+    size (an integer tensor takes the quotient cast back to its dtype, as in Lightning: the strategy hands it a
+    double for a mean, :func:`mean_in_floating_point`); another name is that ``ReduceOp`` member; ``None`` sums; a
+    ``ReduceOp`` is used as given. An operation or a value the gather cannot reduce (complex or bool values, an
+    average or a pre-multiplied sum op, more than ``_GATHERED_MOST_ELEMENTS`` gathered elements) takes Lightning's
+    barrier and all-reduce on gloo. Anything but a tensor, or without an initialized process group, is returned
+    unchanged.
     """
     if not isinstance(value, Tensor) or not (dist.is_available() and dist.is_initialized()):
         return value
     group = dist.group.WORLD if group is None else group
+    gloo = dist.get_backend(group) == "gloo"
     op, divide = dist.ReduceOp.SUM if reduce_op is None else reduce_op, False
     if isinstance(reduce_op, str):
         name = "avg" if reduce_op == "mean" else reduce_op
-        if name.lower() == "avg" and dist.get_backend(group) == "gloo":
+        if name.lower() == "avg" and gloo:
             op, divide = dist.ReduceOp.SUM, True
         else:
             op = getattr(dist.ReduceOp, name.upper())
-    dist.all_reduce(value, op=op, group=group)
+    world_size = dist.get_world_size(group)
+    if not gloo:
+        dist.all_reduce(value, op=op, group=group)
+    elif (reduce := _gathered_reduction(value, op, world_size)) is not None:
+        gathered = torch.empty(world_size * value.numel(), dtype=value.dtype, device=value.device)
+        dist.all_gather_into_tensor(gathered, value.reshape(-1), group=group)
+        value.copy_(reduce(gathered.view(world_size, -1)).view(value.shape))
+    else:
+        dist.barrier(group=group)
+        dist.all_reduce(value, op=op, group=group)
     if not divide:
         return value
-    world_size = dist.get_world_size(group)
     return value.div_(world_size) if torch.is_floating_point(value) else value.copy_(value / world_size)
+
+
+#: The most elements a gloo ``reduce`` gathers (world size times the value's): more take a barrier and an all-reduce.
+_GATHERED_MOST_ELEMENTS = 1 << 20
+
+
+def _gathered_reduction(value: Tensor, op: Any, world_size: int) -> Callable[[Tensor], Tensor] | None:
+    """How to reduce the rows of ``value`` gathered from every rank as ``op`` would, or ``None`` when unsupported.
+
+    Every rank reduces the same rows in the same order: the results are equal bit for bit on every rank.
+    """
+    if value.is_complex() or value.dtype == torch.bool or world_size * value.numel() > _GATHERED_MOST_ELEMENTS:
+        return None
+    try:
+        if op == dist.ReduceOp.SUM:
+            return _sum_rows
+        if op == dist.ReduceOp.MAX:
+            return _max_rows
+        if op == dist.ReduceOp.MIN:
+            return _min_rows
+        if op == dist.ReduceOp.PRODUCT:
+            return _product_rows
+    except TypeError:  # not a ReduceOp
+        pass
+    return None  # another op: bitwise, average, pre-multiplied sum
+
+
+def _sum_rows(rows: Tensor) -> Tensor:
+    return rows.sum(0, dtype=rows.dtype)
+
+
+def _max_rows(rows: Tensor) -> Tensor:
+    return rows.amax(0)
+
+
+def _min_rows(rows: Tensor) -> Tensor:
+    return rows.amin(0)
+
+
+def _product_rows(rows: Tensor) -> Tensor:
+    return rows.prod(0, dtype=rows.dtype)
 
 
 class CollectiveCalls:

@@ -26,6 +26,8 @@ LIBRARY_MARKERS = (
     f"{os.sep}pytorch_lightning{os.sep}",
     f"{os.sep}torch{os.sep}",
     f"{os.sep}torchmetrics{os.sep}",
+    # torch wraps some collectives (all_gather_into_tensor in 2.13) in its `deprecated` decorator
+    f"{os.sep}typing_extensions.py",
 )
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 

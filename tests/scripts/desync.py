@@ -5,6 +5,8 @@ Usage: python desync.py CASE [--strategy safe_ddp|ddp] [--launcher popen|spawn] 
 Cases (each the user's own mistake, at a line the tests look for in the error):
   log-in-rank-zero-branch   ``self.log("x", ..., sync_dist=True)`` inside ``if self.trainer.is_global_zero:`` in
                             ``on_train_epoch_end`` (Lightning #19604)
+  log-in-training-step-rank-zero  ``self.log("step_x", loss, sync_dist=True)`` on rank 0 only in ``training_step``
+                            (batch 2): rank 1's next collective is DDP's larger gradient all-reduce
   broadcast-on-rank-zero    ``self.trainer.strategy.broadcast(obj)`` on rank 0 only, in ``training_step``
   all-gather-on-rank-zero   ``self.all_gather(tensor)`` on rank 0 only, in ``training_step``
   differing-keys            ``self.log(f"loss_rank{rank}", loss, sync_dist=True)``: each rank logs another name
@@ -90,6 +92,9 @@ class Model(pl.LightningModule):
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         if CASE == "silent-pairing":
             time.sleep(0.1)  # a longer run: the ranks go on after the divergence for about 12 s
+        if CASE == "log-in-training-step-rank-zero" and batch_idx == 2 and self.trainer.is_global_zero:
+            diverged(self.global_rank)  # rank 1's next collective is DDP's gradient all-reduce, of 161 floats
+            self.log("step_x", loss, sync_dist=True)  # USER-LINE log-in-training-step-rank-zero
         if CASE == "broadcast-on-rank-zero" and batch_idx == 2 and self.trainer.is_global_zero:
             diverged(self.global_rank)
             self.trainer.strategy.broadcast({"lr": 0.1})  # USER-LINE broadcast-on-rank-zero

@@ -1,10 +1,11 @@
 """``self.log(..., sync_dist=True)`` in every training step: the values each rank logs, what the ranks agreed on,
-and how many ``torch.distributed.barrier`` calls the logging made.
+and which ``torch.distributed`` collectives the logging made.
 
 A small regression model on 2 CPU ranks logs three values per step with ``sync_dist=True``: the loss (mean), the
 batch's sample count (``reduce_fx="sum"``) and its largest target (``reduce_fx="max"``). A wrapper around
-``torch.distributed.barrier`` counts the calls made inside the step's ``self.log`` calls. Each rank writes
-``OUT.rank<R>.json``: its own values per step before syncing, the synced values it logged, and the barrier count.
+``torch.distributed.barrier``, ``all_reduce`` and ``all_gather_into_tensor`` counts the calls made inside the step's
+``self.log`` calls. Each rank writes ``OUT.rank<R>.json``: its own values per step before syncing, the synced values
+it logged, and the count of each collective.
 
 Usage: python tests/scripts/sync_dist_calls.py --strategy ddp|safe_ddp --out PATH
 """
@@ -23,18 +24,24 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 STEPS = 6  # full batches of 5 per rank; a seventh of 2 samples ends the epoch
-barriers = {"in_log": 0}
-_barrier = dist.barrier
+COUNTED = ("barrier", "all_reduce", "all_gather_into_tensor")
+calls_in_log = dict.fromkeys(COUNTED, 0)
 _logging = [False]
 
 
-def counted_barrier(*args: Any, **kwargs: Any) -> Any:
-    if _logging[0]:
-        barriers["in_log"] += 1
-    return _barrier(*args, **kwargs)
+def counted(name: str) -> Any:
+    original = getattr(dist, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _logging[0]:
+            calls_in_log[name] += 1
+        return original(*args, **kwargs)
+
+    return call
 
 
-dist.barrier = counted_barrier  # Lightning's _sync_ddp reads torch.distributed.barrier at every call
+for _name in COUNTED:  # Lightning's _sync_ddp and the strategy read them from torch.distributed at every call
+    setattr(dist, _name, counted(_name))
 
 
 class Regression(pl.LightningModule):
@@ -88,7 +95,7 @@ def main() -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=5))
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
-        json.dump({"raw": model.raw, "synced": model.synced, "barriers_in_log": barriers["in_log"]}, f)
+        json.dump({"raw": model.raw, "synced": model.synced, "calls_in_log": calls_in_log}, f)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("stock", "stock_traced", "safe", "safe_off")
 COLLECTIVES_PER_LOG = 2  # Lightning's _sync_ddp: a barrier, then the all-reduce
-SAFE_COLLECTIVES_PER_LOG = 1  # SafeDDPStrategy.reduce: the all-reduce alone (collective_calls.all_reduce_value)
+SAFE_COLLECTIVES_PER_LOG = 1  # SafeDDPStrategy.reduce: one collective (all_reduce_value; on gloo an all-gather)
 
 
 def worker(args: argparse.Namespace) -> None:

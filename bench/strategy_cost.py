@@ -174,8 +174,9 @@ def instrument_strategy(counters: Counters) -> Callable[[], None]:
                 else functools.partial(delattr, DDPStrategy, name)
             )
 
-    # the strategy's `reduce` makes its all-reduce through `all_reduce_value` (Lightning's `DDPStrategy.reduce`
-    # without the barrier): the collective, as `DDPStrategy.reduce` was, is not the strategy's own time
+    # the strategy's `reduce` makes its collective through `all_reduce_value` (Lightning's `DDPStrategy.reduce`
+    # without the barrier; on gloo an all-gather and the sum of its rows, in place of gloo's all-reduce and its sum):
+    # the collective, as `DDPStrategy.reduce` was, is not the strategy's own time
     from ddp_strategy import strategy as strategy_module
 
     reduce_value = strategy_module.all_reduce_value

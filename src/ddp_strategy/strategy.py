@@ -296,7 +296,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """``DDPStrategy.reduce`` by one all-reduce, no barrier (:func:`all_reduce_value`); exact integer means.
+        """``DDPStrategy.reduce`` by one collective, no barrier (:func:`all_reduce_value`); exact int means.
 
         Raises ``UnevenEvaluationError`` in an uneven evaluation step.
         """

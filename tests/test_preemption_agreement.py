@@ -464,3 +464,70 @@ def test_a_watch_ends_when_the_run_ends_without_a_notice():
     late.start()
     _await(lambda: not late.thread.is_alive())
     assert late.notice is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signalled", [[0], [1], [0, 1, 2]])
+@pytest.mark.parametrize("lag", [{}, {1: 1}])
+def test_ranks_that_skip_the_step_boundaries_until_a_signal_stop_at_the_same_step(signalled, lag):
+    """Issue 30: in fit's training a rank passes step ends without at_boundary before any signal (PreemptionStop's
+    hook is skipped); the watch acks at the step it reads from the rank's source (global_step). Every rank still
+    stops at one step, after passing no boundary beyond it, and each calls at_boundary only once it is requested."""
+    store = dist.HashStore()
+    agreements = agreements_with_watches(store, 3)
+    global_step = dict.fromkeys(range(3), 0)
+    checking = dict.fromkeys(range(3), False)
+    for a in agreements:
+        a.follow(lambda r=a.rank: train_position(global_step[r]))
+        a.when_requested(lambda r=a.rank: checking.__setitem__(r, True))
+    stopped: dict[int, int] = {}
+    silent_steps = dict.fromkeys(range(3), 0)
+    for step in range(1, 40):
+        for turn in (0, 1):
+            for a in agreements:
+                if a.rank in stopped or lag.get(a.rank, 0) != turn:
+                    continue
+                global_step[a.rank] = step  # the optimizer step; then its end, through at_boundary only if requested
+                if not checking[a.rank]:
+                    silent_steps[a.rank] += 1
+                elif a.at_step_boundary(store, step):
+                    stopped[a.rank] = step
+        if step == 10:
+            for r in signalled:
+                agreements[r].request(signal.SIGTERM)  # published at its next step end; the watches ack
+        if len(stopped) == 3:
+            break
+    assert len(stopped) == 3 and len(set(stopped.values())) == 1, stopped
+    assert stopped[0] == min(s for s in range(1, 40) if train_position(s) > agreements[0].stop_after)
+    assert all(n >= 10 for n in silent_steps.values()), silent_steps  # no at_boundary call before the signal
+
+
+@pytest.mark.timeout(30)
+def test_the_watch_makes_the_rank_check_its_boundaries_before_it_reads_the_position():
+    """The order that keeps a skipped boundary safe: ``when_requested``'s function runs before the watch reads the
+    source, so every boundary the rank passes after that read goes through at_boundary."""
+    store = dist.HashStore()
+    events: list[str] = []
+    a, b = agreements_with_watches(store, 2)
+    b.follow(lambda: events.append("position read") or train_position(7))
+    b.when_requested(lambda: events.append("boundaries checked"))
+    a.request(signal.SIGTERM)
+    assert not a.at_step_boundary(store, 3)  # publishes the notice: b's watch acks for b
+    _await(lambda: b.notice is not None and "position read" in events)
+    assert events == ["boundaries checked", "position read"]
+    assert not b.at_step_boundary(store, 7)  # acked at 7 by the watch: passing it again is nothing new
+    assert b.at_step_boundary(store, 8) and a.at_step_boundary(store, 4) is False
+    assert a.at_step_boundary(store, 8) and b.stop_after == a.stop_after == train_position(7)
+
+
+def test_when_requested_runs_at_once_for_a_rank_already_signalled():
+    a = PreemptionAgreement(rank=0, world_size=1, start=train_position(0))
+    calls: list[int] = []
+    a.when_requested(lambda: calls.append(1))
+    assert calls == []
+    a.request(signal.SIGTERM)
+    a.request(signal.SIGTERM)  # only the first signal counts
+    assert calls == [1]
+    late: list[int] = []
+    a.when_requested(lambda: late.append(1))
+    assert late == [1]

@@ -313,8 +313,37 @@ class PreemptionAgreement:
         self._lock = threading.Lock()
         self._position = start
         self._acked_at: Position | None = None
+        self._position_source: Callable[[], Position] | None = None
+        self._on_request: Callable[[], None] | None = None
         if watch is not None:
             watch.start(self._ack_for_watch)
+
+    # ------------------------------------------------------------------ boundaries not passed through at_boundary
+    def follow(self, source: Callable[[], Position] | None) -> None:
+        """Let the watch read this rank's position from ``source`` too, for boundaries passed without at_boundary.
+
+        Before any signal a rank may pass boundaries without :meth:`at_boundary`, which has nothing to do then (see
+        :meth:`when_requested`), as long as ``source()`` returns at least the last boundary it passed and at most the
+        next one (in ``fit``'s training: :func:`train_position` of ``global_step``). The watch acknowledges at the
+        larger of ``source()`` and the last position passed to :meth:`at_boundary`. ``None``: those positions alone.
+        """
+        self._position_source = source
+
+    def when_requested(self, fn: Callable[[], None] | None) -> None:
+        """Call ``fn()`` once this rank received a signal or learned of one (at once if it already did).
+
+        ``fn`` runs in the signal handler or the watch thread: it must only set attributes (it takes no lock). The
+        watch calls it before it reads this rank's position, so a rank that then passes a boundary passes it
+        through :meth:`at_boundary`.
+        """
+        self._on_request = fn
+        if fn is not None and self.requested:
+            fn()
+
+    def _requested(self) -> None:
+        fn = self._on_request
+        if fn is not None:
+            fn()
 
     # ------------------------------------------------------------------ signal handler side
     def request(self, signum: int) -> None:
@@ -322,6 +351,7 @@ class PreemptionAgreement:
         if self.received is None:
             self.received = signal.Signals(signum)
             self.received_at = time.time()
+            self._requested()
 
     @property
     def requested(self) -> bool:
@@ -336,7 +366,8 @@ class PreemptionAgreement:
 
         Args:
             store: the run's store namespace (the training thread's connection).
-            position: this boundary; larger than the last one passed.
+            position: this boundary; not smaller than the last one passed (one passed again: nothing new). A rank
+                may pass the boundaries of ``fit``'s training without this method before any signal (:meth:`follow`).
             where: the boundary in words, for messages (``"step 5"``, ``"test batch 12"``).
 
         Raises:
@@ -377,8 +408,10 @@ class PreemptionAgreement:
         with self._lock:
             if self.notice is None:
                 self.notice = notice
+            self._requested()  # before the position is read: from now on every boundary goes through at_boundary
             if self._acked_at is None:
-                self._ack(store, self._position)
+                source = self._position_source
+                self._ack(store, self._position if source is None else max(self._position, source()))
 
     def _await_stop(self, store: Store) -> Position:
         try:

@@ -116,7 +116,7 @@ def test_lightnings_hook_loop_passes_over_a_skipped_hook():
 
 def test_the_preemption_stop_skips_the_step_end_until_a_signal():
     """Issue 30: before any signal a training step's end has nothing to check; Lightning's turn of the hook cost half
-    of the strategy's added instructions per tiny step (bench/results/callgrind_step.md). The hook comes back as soon
+    of the strategy's added instructions per tiny step (callgrind, session 22 note). The hook comes back as soon
     as the rank receives a signal (from the signal handler) or its watch learns of one."""
     import signal
 

@@ -116,7 +116,7 @@ class PreemptionStop(Callback):
         self._train_store = control.store if control is not None else None  # read at every step's end
         self._forget_keys_at_close()
         # Before any signal, a training step's end has nothing to check, and Lightning's turn of the hook would cost
-        # more than the check (about 16k of 26k instructions): it is skipped until this rank receives a signal or learns of
+        # more than the check (16k of 26k instructions): it is skipped until this rank receives a signal or learns of
         # one, and the watch reads the boundary passed from global_step instead (train_position: the end of the step
         # that made it; at most one ahead of the last end passed, which the agreement allows).
         self.agreement.follow(lambda: train_position(trainer.global_step))

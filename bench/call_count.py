@@ -43,51 +43,20 @@ def _function_name(key: tuple[str, int, str]) -> str:
 
 def worker(variant: str, mode: str, steps: int, out: str) -> None:
     """One fit (Lightning's launcher starts rank 1 by re-running this command); rank 0 writes its counts to ``out``."""
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import DDPStrategy
-    from torch.utils.data import DataLoader, TensorDataset
+    from bench.workloads.tiny import fit_with_window
 
-    from bench.workloads.tiny import SHAPE, tiny_module
-    from ddp_strategy import SafeDDPStrategy
+    profile = cProfile.Profile()
 
-    torch.set_num_threads(1)
-    sync = mode == "sync_dist"
+    def stop(trainer: Any) -> None:
+        profile.disable()
+        if trainer.global_rank == 0:
+            stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+            counts = {_function_name(key): row[1] for key, row in stats.items()}
+            Path(out).write_text(json.dumps({"steps": steps, "calls": counts}))
 
-    class Profile(Callback):
-        """Counts the training thread's calls from step ``WARMUP``'s start to step ``WARMUP + steps``'s start."""
-
-        def __init__(self) -> None:
-            self.profile = cProfile.Profile()
-
-        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, index: int) -> None:
-            if index == WARMUP:
-                self.profile.enable()
-            elif index == WARMUP + steps:
-                self.profile.disable()
-                if trainer.global_rank == 0:
-                    stats = pstats.Stats(self.profile).stats  # type: ignore[attr-defined]
-                    counts = {_function_name(key): row[1] for key, row in stats.items()}
-                    Path(out).write_text(json.dumps({"steps": steps, "calls": counts}))
-
-    samples = 32 * 2 * (WARMUP + steps + 1)
-    data = TensorDataset(torch.randn(samples, SHAPE[0]), torch.randint(0, SHAPE[2], (samples,)))
-    strategy = DDPStrategy() if variant == "stock" else SafeDDPStrategy()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=WARMUP + steps + 1,
-        max_epochs=1,
-        callbacks=[Profile()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(Path(out).parent),
+    fit_with_window(
+        variant, mode, warmup=WARMUP, steps=steps, start=profile.enable, stop=stop, root=str(Path(out).parent)
     )
-    trainer.fit(tiny_module(sync_dist=sync), DataLoader(data, batch_size=32, shuffle=True))
 
 
 def run_fit(variant: str, mode: str, steps: int, scratch: Path) -> dict[str, Any]:

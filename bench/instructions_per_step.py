@@ -1,0 +1,207 @@
+"""Instructions per training step: stock ``DDPStrategy`` and ``SafeDDPStrategy()`` on the tiny model, counted.
+
+Usage: python bench/instructions_per_step.py [--steps N] [--seeds N] [--results-dir DIR] [--name NAME]
+
+Times on this shared machine move by more than the strategy's cost per step (``bench/tiny_step.py``); the number of
+machine instructions a step executes does not, to within a few thousand per step. For each strategy and logging mode
+(``nolog``; ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every step), a 2-rank fit of the tiny model
+(Lightning's launcher, gloo, CPU) runs with rank 0 under valgrind's callgrind and rank 1 natively. Callgrind counts
+only from the start of training step 40 to the start of step ``40 + --steps``: the window is switched on and off by
+callgrind's client requests, from a three-line C shim this script builds with gcc and loads with ``ctypes``.
+
+The counts still depend a little on hashes and addresses (CPython's method cache), so every fit runs under
+``setarch -R`` (no address randomisation), once per ``PYTHONHASHSEED`` in ``0 .. --seeds - 1``, and the report gives
+the median and the range over seeds: for the training thread (callgrind's thread 1) and for all of rank 0's other
+threads together (gloo, autograd, the strategy's heartbeat and watch threads).
+
+Without valgrind, callgrind's header, gcc or setarch, it says which is missing and exits with status 0, writing
+nothing. Writes ``<name>.json`` and ``<name>.md`` (default ``instructions_per_step``) into ``--results-dir``
+(default ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WARMUP = 40
+VARIANTS = ("stock", "safe")
+MODES = ("nolog", "sync_dist")
+HEADER = Path("/usr/include/valgrind/callgrind.h")
+SHIM = """#include <valgrind/callgrind.h>
+void window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void window_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+TOTALS = re.compile(r"^totals:\s+(\d+)", re.MULTILINE)
+
+
+def missing_tools() -> list[str]:
+    """What this benchmark needs and the machine lacks (empty when it can run)."""
+    missing = [tool for tool in ("valgrind", "gcc", "setarch") if shutil.which(tool) is None]
+    if not HEADER.exists():
+        missing.append(f"{HEADER} (valgrind's development header)")
+    return missing
+
+
+def build_shim(directory: Path) -> Path:
+    """Compiles the window's start and stop (callgrind client requests; no-ops outside valgrind) into a library."""
+    source, library = directory / "window.c", directory / "libwindow.so"
+    source.write_text(SHIM)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], check=True, timeout=120)
+    return library
+
+
+def worker(variant: str, mode: str, steps: int, library: str, root: str) -> None:
+    """One fit; every rank opens and closes the window, and only the rank under callgrind counts."""
+    from bench.workloads.tiny import fit_with_window
+
+    shim = ctypes.CDLL(library)
+
+    def start() -> None:
+        gc.collect()
+        gc.freeze()  # the warm-up's objects are never scanned in the window: fewer collections to differ by
+        shim.window_start()
+
+    fit_with_window(
+        variant,
+        mode,
+        warmup=WARMUP,
+        steps=steps,
+        start=start,
+        stop=lambda trainer: shim.window_stop(),
+        root=root,
+        shuffle=False,
+    )
+
+
+def thread_totals(prefix: Path) -> dict[int, int]:
+    """Instructions per thread from callgrind's files ``<prefix>.<pid>-<thread>`` (one process: rank 0)."""
+    totals = {}
+    for path in sorted(prefix.parent.glob(f"{prefix.name}.*-*")):
+        found = TOTALS.search(path.read_text(errors="replace"))
+        if found is None:
+            raise RuntimeError(f"{path} has no 'totals:' line: callgrind did not finish it")
+        totals[int(path.name.rsplit("-", 1)[1])] = int(found.group(1))
+    if 1 not in totals:
+        raise RuntimeError(f"no callgrind file for thread 1 under {prefix}.*: the fit did not run under callgrind")
+    return totals
+
+
+def run_fit(variant: str, mode: str, steps: int, seed: int, library: Path, scratch: Path) -> dict[str, Any]:
+    """One fit with rank 0 under callgrind; its instructions per step, training thread and other threads."""
+    prefix = scratch / f"{variant}-{mode}-{seed}"
+    callgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+    callgrind += [f"--callgrind-out-file={prefix}.%p"]
+    worker_command = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, mode]
+    worker_command += ["--steps", str(steps), "--library", str(library), "--root", str(scratch / "root")]
+    command = ["setarch", platform.machine(), "-R", *callgrind, *worker_command]
+    env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+    log = prefix.with_suffix(".log")
+    with log.open("wb") as out:
+        finished = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
+    if finished.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{variant} {mode} seed {seed} exited with {finished.returncode}:\n{tail}")
+    totals = thread_totals(prefix)
+    training = totals.pop(1)
+    return {"training": training / steps, "other_threads": sum(totals.values()) / steps}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, minimum and maximum."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def analyse(fits: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Per mode and thread kind: each strategy's instructions per step over seeds, and what safe adds (medians)."""
+    modes: dict[str, Any] = {}
+    for mode in MODES:
+        row: dict[str, Any] = {}
+        for kind in ("training", "other_threads"):
+            per_variant = {v: spread([fit[kind] for fit in fits[f"{v}-{mode}"]]) for v in VARIANTS}
+            stock, safe = per_variant["stock"]["median"], per_variant["safe"]["median"]
+            row[kind] = {**per_variant, "added": safe - stock, "ratio": safe / stock if stock else float("nan")}
+        modes[mode] = row
+    return modes
+
+
+def _thousands(value: float) -> str:
+    return f"{value / 1000:,.1f}k"
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    """The report: one table of instructions per step, medians with their range over seeds."""
+    lines = [
+        f"Measured {result['date']} on {result['machine']['platform']}, torch {result['machine']['torch']}, "
+        f"Lightning {result['machine']['lightning']}: a 2-rank fit per strategy, mode and seed (Lightning's launcher, "
+        f"gloo, CPU) of the tiny model, rank 0 under callgrind for {result['steps']} training steps after "
+        f"{result['warmup']} warm-up steps, under `setarch -R`, once per `PYTHONHASHSEED` in "
+        f"{', '.join(map(str, result['seeds']))}. Instructions per training step: median over seeds [min - max]; "
+        "'added' is safe's median less stock's.",
+        "",
+        "| mode | threads | stock `DDPStrategy()` | `SafeDDPStrategy()` | added by safe | safe/stock |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, row in result["modes"].items():
+        for kind, label in (("training", "training thread"), ("other_threads", "other threads")):
+            cells = [
+                f"{_thousands(row[kind][v]['median'])} [{_thousands(row[kind][v]['min'])} - "
+                f"{_thousands(row[kind][v]['max'])}]"
+                for v in VARIANTS
+            ]
+            added = row[kind]["added"]
+            lines.append(
+                f"| {mode} | {label} | {cells[0]} | {cells[1]} | {added / 1000:+,.1f}k | {row[kind]['ratio']:.4f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, default=3, help="PYTHONHASHSEED values 0 .. N-1, one fit each")
+    parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--name", default="instructions_per_step", help="results file name, no suffix")
+    parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--library", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker, steps=args.steps, library=args.library, root=args.root)
+        return
+    missing = missing_tools()
+    if missing:
+        print(f"skipped: this benchmark needs {', '.join(missing)}; install valgrind and gcc to run it")
+        return
+    from bench.results_io import machine, write
+
+    fits: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="instructions-") as scratch:
+        library = build_shim(Path(scratch))
+        for seed in range(args.seeds):
+            for mode in MODES:
+                for variant in VARIANTS:
+                    fit = run_fit(variant, mode, args.steps, seed, library, Path(scratch))
+                    fits.setdefault(f"{variant}-{mode}", []).append(fit)
+                    print(f"seed {seed} {variant} {mode}: {fit['training']:,.0f} per step", flush=True)
+    seeds = list(range(args.seeds))
+    result = {"steps": args.steps, "warmup": WARMUP, "seeds": seeds, "fits": fits, "modes": analyse(fits), **machine()}
+    write(args.results_dir, args.name, result, render(result))
+
+
+if __name__ == "__main__":
+    main()

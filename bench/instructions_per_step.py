@@ -14,6 +14,12 @@ The counts still depend a little on hashes and addresses (CPython's method cache
 the median and the range over seeds: for the training thread (callgrind's thread 1) and for all of rank 0's other
 threads together (gloo, autograd, the strategy's heartbeat and watch threads).
 
+Callgrind counts instructions run in user space only: a thread's waits, wake-ups and system calls are not in the
+counts. And it slows rank 0 down many times over (the window's wall time is in the results): the other threads,
+which wake by the clock (the heartbeat's beats once a second), do many times more of their work per step than in a
+native run. Their figures compare the two strategies under the same slowdown; ``bench/strategy_cost.py`` measures
+them natively.
+
 Without valgrind, callgrind's header, gcc or setarch, it says which is missing and exits with status 0, writing
 nothing. Writes ``<name>.json`` and ``<name>.md`` (default ``instructions_per_step``) into ``--results-dir``
 (default ``bench/results``).
@@ -32,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,22 +77,20 @@ def worker(variant: str, mode: str, steps: int, library: str, root: str) -> None
     from bench.workloads.tiny import fit_with_window
 
     shim = ctypes.CDLL(library)
+    opened = [0.0]
 
     def start() -> None:
         gc.collect()
         gc.freeze()  # the warm-up's objects are never scanned in the window: fewer collections to differ by
+        opened[0] = time.monotonic()
         shim.window_start()
 
-    fit_with_window(
-        variant,
-        mode,
-        warmup=WARMUP,
-        steps=steps,
-        start=start,
-        stop=lambda trainer: shim.window_stop(),
-        root=root,
-        shuffle=False,
-    )
+    def stop(trainer: Any) -> None:
+        shim.window_stop()
+        if trainer.global_rank == 0:
+            (Path(root) / "window_s").write_text(str(time.monotonic() - opened[0]))
+
+    fit_with_window(variant, mode, warmup=WARMUP, steps=steps, start=start, stop=stop, root=root, shuffle=False)
 
 
 def thread_totals(prefix: Path) -> dict[int, int]:
@@ -118,7 +123,8 @@ def run_fit(variant: str, mode: str, steps: int, seed: int, library: Path, scrat
         raise RuntimeError(f"{variant} {mode} seed {seed} exited with {finished.returncode}:\n{tail}")
     totals = thread_totals(prefix)
     training = totals.pop(1)
-    return {"training": training / steps, "other_threads": sum(totals.values()) / steps}
+    window_s = float((scratch / "root" / "window_s").read_text())
+    return {"training": training / steps, "other_threads": sum(totals.values()) / steps, "window_s": window_s}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -145,13 +151,16 @@ def _thousands(value: float) -> str:
 
 def render(result: dict[str, Any]) -> list[str]:
     """The report: one table of instructions per step, medians with their range over seeds."""
+    windows = [fit["window_s"] for fits in result["fits"].values() for fit in fits]
     lines = [
         f"Measured {result['date']} on {result['machine']['platform']}, torch {result['machine']['torch']}, "
         f"Lightning {result['machine']['lightning']}: a 2-rank fit per strategy, mode and seed (Lightning's launcher, "
         f"gloo, CPU) of the tiny model, rank 0 under callgrind for {result['steps']} training steps after "
         f"{result['warmup']} warm-up steps, under `setarch -R`, once per `PYTHONHASHSEED` in "
         f"{', '.join(map(str, result['seeds']))}. Instructions per training step: median over seeds [min - max]; "
-        "'added' is safe's median less stock's.",
+        "'added' is safe's median less stock's. Callgrind counts user space only (no waits, wake-ups or system "
+        f"calls), and slowed rank 0 down: a window lasted {min(windows):.0f} to {max(windows):.0f} s, so the other "
+        "threads, which wake by the clock, did many times more of their work per step than natively.",
         "",
         "| mode | threads | stock `DDPStrategy()` | `SafeDDPStrategy()` | added by safe | safe/stock |",
         "|---|---|---|---|---|---|",

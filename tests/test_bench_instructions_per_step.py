@@ -29,7 +29,9 @@ def test_thread_totals_name_an_unfinished_file_and_a_run_outside_callgrind(tmp_p
 
 
 def fits_of(stock: list[float], safe: list[float]) -> list[list[dict[str, float]]]:
-    return [[{"training": t, "other_threads": t / 100} for t in values] for values in (stock, safe)]
+    return [
+        [{"training": t, "other_threads": t / 100, "window_s": t / 1e5} for t in values] for values in (stock, safe)
+    ]
 
 
 def test_medians_over_seeds_and_what_safe_adds():
@@ -53,6 +55,7 @@ def test_medians_over_seeds_and_what_safe_adds():
             "warmup": 40,
             "seeds": [0, 1, 2],
             "modes": modes,
+            "fits": fits,
             "date": "d",
             "machine": {"platform": "p", "torch": "t", "lightning": "l"},
         }
@@ -60,6 +63,7 @@ def test_medians_over_seeds_and_what_safe_adds():
     row = "| nolog | training thread | 4,010.0k [4,002.0k - 4,030.0k] | 4,050.0k [4,041.0k - 4,080.0k] | +40.0k |"
     assert row + " 1.0100 |" in lines
     assert "once per `PYTHONHASHSEED` in 0, 1, 2" in lines[0]
+    assert "a window lasted 40 to 50 s" in lines[0]  # the fits' shortest and longest window
 
 
 def test_without_valgrind_it_names_what_is_missing_and_writes_nothing(monkeypatch, tmp_path, capsys):

@@ -10,6 +10,7 @@ aborts the process (``tests/test_desync.py``, case ``log-in-training-step-rank-z
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,9 @@ def test_safe_logs_every_synced_value_by_one_collective_and_agrees_with_stock(tm
     # collective per value, on gloo an all-gather (an all-reduce could be paired with DDP's larger gradient one)
     values = 3 * steps
     assert [rank["calls_in_log"] for rank in stock] == 2 * [
-        {"barrier": values, "all_reduce": values, "all_gather_into_tensor": 0}
+        {"barrier": values, "all_reduce": values, "all_gather_single": 0}
     ]
-    assert [rank["calls_in_log"] for rank in safe] == 2 * [
-        {"barrier": 0, "all_reduce": 0, "all_gather_into_tensor": values}
-    ]
+    assert [rank["calls_in_log"] for rank in safe] == 2 * [{"barrier": 0, "all_reduce": 0, "all_gather_single": values}]
     # every rank logged the same synced values, bit for bit the same as stock's
     assert safe[0]["synced"] == safe[1]["synced"] == stock[0]["synced"] == stock[1]["synced"]
     # and they are the mean, the sum and the largest of the ranks' own values
@@ -107,7 +106,16 @@ def test_all_reduce_value_on_gloo_gathers_once_and_reduces_on_every_rank(
     calls = _count_collectives(monkeypatch)
     result = all_reduce_value(value, None, reduce_op)
     assert result is value and result.tolist() == expected and result.dtype == value.dtype
-    assert calls == ["all_gather_into_tensor"]
+    assert calls == ["all_gather_single"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_all_reduce_value_on_gloo_warns_nothing():
+    # torch 2.14 deprecates all_gather_into_tensor with a FutureWarning at every call (the user saw it once, and
+    # every sync_dist value paid for Python's warning machinery); all_gather_single is the same collective
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all_reduce_value(torch.tensor([1.0, 2.0]), None, "sum").tolist() == [1.0, 2.0]
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -130,7 +138,7 @@ def test_all_reduce_value_on_gloo_keeps_lightnings_barrier_where_it_cannot_gathe
 
 def _count_collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    for name in ("barrier", "all_reduce", "all_gather_into_tensor"):
+    for name in ("barrier", "all_reduce", "all_gather_single"):
         original = getattr(dist, name)
         monkeypatch.setattr(dist, name, lambda *a, _n=name, _o=original, **k: (calls.append(_n), _o(*a, **k))[1])
     return calls

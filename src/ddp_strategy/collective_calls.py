@@ -72,7 +72,7 @@ def all_reduce_value(value: Any, group: Any | None = None, reduce_op: Any | None
         dist.all_reduce(value, op=op, group=group)
     elif (reduce := _gathered_reduction(value, op, world_size)) is not None:
         gathered = torch.empty(world_size * value.numel(), dtype=value.dtype, device=value.device)
-        dist.all_gather_into_tensor(gathered, value.reshape(-1), group=group)
+        dist.all_gather_single(gathered, value.reshape(-1), group=group)
         value.copy_(reduce(gathered.view(world_size, -1)).view(value.shape))
     else:
         dist.barrier(group=group)

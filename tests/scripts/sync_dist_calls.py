@@ -3,7 +3,7 @@ and which ``torch.distributed`` collectives the logging made.
 
 A small regression model on 2 CPU ranks logs three values per step with ``sync_dist=True``: the loss (mean), the
 batch's sample count (``reduce_fx="sum"``) and its largest target (``reduce_fx="max"``). A wrapper around
-``torch.distributed.barrier``, ``all_reduce`` and ``all_gather_into_tensor`` counts the calls made inside the step's
+``torch.distributed.barrier``, ``all_reduce`` and ``all_gather_single`` counts the calls made inside the step's
 ``self.log`` calls. Each rank writes ``OUT.rank<R>.json``: its own values per step before syncing, the synced values
 it logged, and the count of each collective.
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 STEPS = 6  # full batches of 5 per rank; a seventh of 2 samples ends the epoch
-COUNTED = ("barrier", "all_reduce", "all_gather_into_tensor")
+COUNTED = ("barrier", "all_reduce", "all_gather_single")
 calls_in_log = dict.fromkeys(COUNTED, 0)
 _logging = [False]
 

@@ -25,6 +25,7 @@ _C10D_COLLECTIVES = frozenset(
     {
         "all_gather",
         "all_gather_into_tensor",
+        "all_gather_single",
         "all_gather_object",
         "all_reduce",
         "all_to_all",

@@ -88,6 +88,7 @@ def worker(variant: str, mode: str, steps: int, library: str, root: str) -> None
     def stop(trainer: Any) -> None:
         shim.window_stop()
         if trainer.global_rank == 0:
+            Path(root).mkdir(parents=True, exist_ok=True)
             (Path(root) / "window_s").write_text(str(time.monotonic() - opened[0]))
 
     fit_with_window(variant, mode, warmup=WARMUP, steps=steps, start=start, stop=stop, root=root, shuffle=False)

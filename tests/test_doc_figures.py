@@ -440,6 +440,9 @@ def test_control_group_thread_and_log_wrapper_counted():
         "tiny_step-intel-aa-4e4b5ee",
         "tiny_step-intel-aa20-ac807a3",
         "tiny_step-intel-aa-232afa9",
+        "tiny_step-intel-aa-d160373",
+        "instructions_per_step-d160373",
+        "instructions_per_step-6c50b88",
         "flight_recorder_cost",
     ],
 )
@@ -547,4 +550,84 @@ def test_tiny_step_with_the_all_gather_on_gloo():
         "bench/README.md",
         f"safe's training thread now uses {-per_value['cpu_added_s']['median'] * 1e6:.1f} us less CPU than stock's "
         f"(median; 90% interval [{low:.1f}, {high:.1f}]), against {-old * 1e6:.1f} us less with the all-reduce",
+    )
+
+
+def test_tiny_step_a_a_run_after_the_preemption_hook_skip():
+    """bench/README.md's d160373 bullet: safe/stock in both modes, A/A, the intervals, own CPU, CPU per value."""
+    targets, aa, own = _aa("aa-d160373")
+    nolog, sync = targets["nolog"], targets["sync_dist"]
+    assert max(nolog["wall"], sync["wall"]) <= 1.02  # "both under 1.02 by the rule"
+    assert nolog["wall_paired_interval"][1] > 1.02 and sync["wall_paired_interval"][1] > 1.02  # "hold 1.02"
+    per_value = result("tiny_step-intel-aa-d160373")["analysis"]["per_sync_dist_value"]
+    low, high = (x * 1e6 for x in per_value["interval_s"])
+    assert_on(
+        "bench/README.md",
+        f"safe/stock **{nolog['wall']:.3f} without logging and {sync['wall']:.3f} with the `sync_dist` log**, both "
+        f"under 1.02 by the rule; by training-thread CPU {nolog['cpu']:.3f} and {sync['cpu']:.3f}",
+        f"The A/A ratios are {aa['nolog']['step_mean_s']['of_medians']:.3f} and "
+        f"{aa['sync_dist']['step_mean_s']['of_medians']:.3f}",
+        f"[{nolog['wall_paired_interval'][0]:.3f}, {nolog['wall_paired_interval'][1]:.3f}] and "
+        f"[{sync['wall_paired_interval'][0]:.3f}, {sync['wall_paired_interval'][1]:.3f}]",
+        f"Safe's own CPU per step: {own['nolog']['total_s']['median'] * 1e6:.0f} us without logging "
+        f"({own['nolog']['training_thread_added_s']['median'] * 1e6:.0f} on the training thread, "
+        f"{own['nolog']['own_threads_s']['median'] * 1e6:.0f} on its threads) and "
+        f"{own['sync_dist']['total_s']['median'] * 1e6:.0f} us with the log",
+        f"used {-per_value['cpu_added_s']['median'] * 1e6:.1f} us less CPU than stock's (median; 90% interval "
+        f"[{low:.1f}, {high:.1f}])",
+    )
+
+
+def _k(instructions: float) -> str:
+    return f"{instructions / 1000:,.1f}k"
+
+
+@pytest.mark.parametrize("commit", ["d160373", "6c50b88"])
+def test_instructions_per_step_table(commit: str):
+    """bench/README.md's table of instructions per step: each run's medians, what safe adds, per `sync_dist` value."""
+    modes = result(f"instructions_per_step-{commit}")["modes"]
+    nolog, sync = modes["nolog"]["training"], modes["sync_dist"]["training"]
+    cells = (
+        f"| {commit} | `bench/results/instructions_per_step-{commit}.{{json,md}}` | "
+        f"{_k(nolog['stock']['median'])} / {_k(nolog['safe']['median'])} (+{_k(nolog['added'])}) | "
+        f"{_k(sync['stock']['median'])} / {_k(sync['safe']['median'])} (+{_k(sync['added'])}) | "
+        f"+{_k(sync['added'] - nolog['added'])} |"
+    )
+    assert_on("bench/README.md", cells)
+
+
+def test_instructions_per_step_readings():
+    """bench/README.md's readings of the instruction counts: the share, the seeds' ranges, the rate, per value."""
+    new, old = (result(f"instructions_per_step-{c}")["modes"] for c in ("6c50b88", "d160373"))
+    nolog, sync = new["nolog"]["training"], new["sync_dist"]["training"]
+    stock_cpu = next(
+        row["cpu_step_s"]["median"]
+        for row in result("tiny_step-intel-aa-d160373")["analysis"]["rows"]
+        if (row["mode"], row["variant"]) == ("nolog", "stock")
+    )
+    rate = old["nolog"]["training"]["stock"]["median"] / (stock_cpu * 1e9)  # instructions per ns
+    per_value = sync["added"] - nolog["added"]
+    old_per_value = old["sync_dist"]["training"]["added"] - old["nolog"]["training"]["added"]
+    stock_per_value = sync["stock"]["median"] - nolog["stock"]["median"]
+    windows = [fit["window_s"] for fits in result("instructions_per_step-6c50b88")["fits"].values() for fit in fits]
+    assert_on(
+        "bench/README.md",
+        f"safe adds {(nolog['ratio'] - 1) * 100:.2f}% to the training thread's instructions** (6c50b88: "
+        f"{_k(nolog['added'])} on stock's {_k(nolog['stock']['median'])} per step; the seeds' ranges span "
+        f"{_k(nolog['stock']['max'] - nolog['stock']['min'])} for stock and "
+        f"{_k(nolog['safe']['max'] - nolog['safe']['min'])} for safe)",
+        f"{_k(abs(old['nolog']['training']['added'] - nolog['added']))} apart",
+        f"(its {_k(old['nolog']['training']['stock']['median'])} instructions in {stock_cpu * 1e3:.3f} ms of CPU per "
+        f"step, {rate:.1f} per ns), {_k(nolog['added'])} instructions are about {nolog['added'] / rate / 1000:.0f} us",
+        f"**Each `sync_dist` value adds {_k(per_value)} instructions**",
+        f"{per_value / stock_per_value * 100:.1f}% of the {_k(stock_per_value)} that stock spends per value",
+        f"Before 6c50b88 it was {_k(old_per_value)}",
+        f"lasted {min(windows):.0f} to {max(windows):.0f} s at 6c50b88",
+    )
+    assert_on(
+        "CHANGELOG.md",
+        f"Without logging safe adds {(nolog['ratio'] - 1) * 100:.2f}% to the training thread's instructions; each "
+        f"`sync_dist` value {_k(per_value)} instructions, {per_value / stock_per_value * 100:.1f}% of what stock "
+        "spends",
+        f"Python's warning machinery, {_k(old_per_value - per_value)} instructions)",
     )

@@ -18,6 +18,7 @@ from ._compat.lightning import (
     CheckpointPath,
     DDPStrategy,
     StrategyRegistryType,
+    global_step_reader,
     pl,
     trainer_of,
 )
@@ -37,6 +38,11 @@ __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
 
 #: The strategy's ``reduce`` in an ``UnevenEvaluationError``.
 _REDUCE_CALL = "`reduce` (from `self.log(..., on_step=True, sync_dist=True)`)"
+
+
+def _no_step() -> int:
+    """The step outside a fit's training (no Trainer to read it from)."""
+    return 0
 
 
 class SafeDDPStrategy(DDPStrategy):
@@ -116,6 +122,7 @@ class SafeDDPStrategy(DDPStrategy):
         self._evaluation, self._weights, self._saving = f.evaluation, f.weights, f.saving
         self._resume, self._preemption, self._unused = f.resume, f.preemption, f.unused
         self._fit_trainer: pl.Trainer | None = None  # from on_train_start to teardown: read at every batch's start
+        self._global_step: Callable[[], int] = _no_step  # its global_step, read so (_compat.global_step_reader)
 
     # ------------------------------------------------------------------ attributes
     #: The control plane, available between ``setup_environment`` and ``teardown``.
@@ -203,7 +210,7 @@ class SafeDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._fit_trainer = None
+        self._fit_trainer, self._global_step = None, _no_step
         self._calls.log_sites.uninstall()
         self._saving.finish_async_writes()
         diverged = self._lifecycle.close(self.global_rank)
@@ -218,7 +225,8 @@ class SafeDDPStrategy(DDPStrategy):
         # on_train_start run in between and may change weights on one rank.
         self._handshakes.run("train", self)
         self._lifecycle.warn_about_fork_hazard(self)
-        self._fit_trainer = self._trainer_or_none()
+        self._fit_trainer = trainer = self._trainer_or_none()
+        self._global_step = global_step_reader(trainer) if trainer is not None else _no_step
         super().on_train_start()
 
     @override
@@ -247,7 +255,7 @@ class SafeDDPStrategy(DDPStrategy):
         # Every step: attribute tests where there is nothing to do (bench/call_count.py counts the calls).
         self._lifecycle.raise_agreed_desync()
         trainer = self._fit_trainer
-        step = trainer.global_step if trainer is not None else 0
+        step = self._global_step()
         batches = self._weights.on_train_batch_start(self, step, self._lifecycle.control)
         self._lifecycle.note_step(trainer, step, batches, batch_idx)  # after the test: "went past" this batch count
         if self._resume.state is not None:  # resumed mid-epoch: continue the saved RNG stream from this batch on

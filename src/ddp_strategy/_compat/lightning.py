@@ -51,6 +51,8 @@ __all__ = [
     "epochs_processed",
     "fabric",
     "find_callback",
+    "global_step_reader",
+    "global_step_reader",
     "has_callback",
     "init_default_process_group",
     "last_checkpoint_path",
@@ -440,6 +442,24 @@ def training_progress(trainer: Any) -> tuple[int, int] | None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     return int(trainer.current_epoch), int(progress.ready)
+
+
+def global_step_reader(trainer: pl.Trainer) -> Callable[[], int]:
+    """A reader of ``trainer.global_step`` for the fit running now: the same counters, by attribute reads only.
+
+    Lightning's property goes through five more properties on every read (the module, its
+    ``automatic_optimization``, the loop's and the progress tracker's); a hook that runs every step reads the two
+    counters it chooses from directly: the automatic loop's optimizer steps, or the manual loop's. Made once the
+    trainer has its module (``on_train_start``).
+    """
+    loop, module = trainer.fit_loop.epoch_loop, trainer.lightning_module
+
+    def read() -> int:
+        if module is None or module._automatic_optimization:
+            return int(loop.automatic_optimization.optim_progress.optimizer.step.total.completed)
+        return int(loop.manual_optimization.optim_step_progress.total.completed)
+
+    return read
 
 
 def current_hook_name(module: Any) -> str:

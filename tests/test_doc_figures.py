@@ -441,6 +441,8 @@ def test_control_group_thread_and_log_wrapper_counted():
         "tiny_step-intel-aa20-ac807a3",
         "tiny_step-intel-aa-232afa9",
         "tiny_step-intel-aa-d160373",
+        "step_pauses-intel-de88abb",
+        "step_pauses-intel-e8781ec",
         "instructions_per_step-d160373",
         "instructions_per_step-6c50b88",
         "flight_recorder_cost",
@@ -630,4 +632,30 @@ def test_instructions_per_step_readings():
         f"`sync_dist` value {_k(per_value)} instructions, {per_value / stock_per_value * 100:.1f}% of what stock "
         "spends",
         f"Python's warning machinery, {_k(old_per_value - per_value)} instructions)",
+    )
+
+
+def test_step_pauses_re_measured():
+    """bench/README.md's 2026-11-28 bullet on point 2: no stretch over 1 ms, the longest ones, the epoch-start dumps."""
+    safe = {
+        commit: [f for f in result(f"step_pauses-intel-{commit}")["fits"] if f["variant"] == "safe"]
+        for commit in ("de88abb", "e8781ec")
+    }
+    assert all(f["background_holds"]["over_1ms"] == 0 for fits in safe.values() for f in fits)
+    new = safe["de88abb"]
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3f}"
+
+    assert_on(
+        "bench/README.md",
+        f"(0 of {new[0]['background_holds']['stretches']} and 0 of {new[1]['background_holds']['stretches']}); the "
+        f"longest, {ms(new[0]['background_holds']['longest']['cpu_s'])} and "
+        f"{ms(new[1]['background_holds']['longest']['cpu_s'])} ms",
+        f"(its C call {ms(new[0]['background_holds']['longest_c_call']['cpu_s'])} and "
+        f"{ms(new[1]['background_holds']['longest_c_call']['cpu_s'])} ms)",
+        f"its longest stretch was {ms(max(f['background_holds']['longest']['cpu_s'] for f in safe['e8781ec']))} ms",
+        f"took up to {ms(new[0]['dumps']['longest_training_thread_wall_s'])} and "
+        f"{ms(new[1]['dumps']['longest_training_thread_wall_s'])} ms of wall time "
+        f"({ms(max(f['dumps']['longest_training_thread_wall_s'] for f in safe['e8781ec']))} ms in the earlier run)",
     )

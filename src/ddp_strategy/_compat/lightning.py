@@ -52,7 +52,6 @@ __all__ = [
     "fabric",
     "find_callback",
     "global_step_reader",
-    "global_step_reader",
     "has_callback",
     "init_default_process_group",
     "last_checkpoint_path",

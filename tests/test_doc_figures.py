@@ -417,6 +417,44 @@ def test_control_group_thread_and_log_wrapper_counted():
     assert_on("bench/README.md", f"The longest, {longest} ms, is the audit's recorder dump")
 
 
+def test_strategy_cost_recounted_at_6c50b88_and_de88abb():
+    """bench/README.md's re-count table: each cell is the result file's figure."""
+    runs = {
+        f"{row['workload']} {commit}": row
+        for name, commit in (("strategy_cost-intel-6c50b88", "6c50b88"), ("strategy_cost-tiny-de88abb", "de88abb"))
+        for row in result(name)["workloads"]
+    }
+    assert set(runs) == {"mlp 6c50b88", "cifar 6c50b88", "tiny 6c50b88", "tiny de88abb"}
+    columns = ["mlp 6c50b88", "cifar 6c50b88", "tiny 6c50b88", "tiny de88abb"]
+
+    section = (ROOT / "bench/README.md").read_text().split("#### Re-counted 2026-11-28")[1].split("###")[0]
+    table = {
+        cells[0]: cells[1:]
+        for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
+    }
+
+    def python_threads(row: dict) -> float:
+        return sum(v for k, v in row["threads_cpu_per_step_s"].items() if k.startswith("ddp_strategy-"))
+
+    expected = {
+        "own CPU per step, in all": [f"{runs[c]['own_cpu_per_step_s'] * 1e6:.1f}" for c in columns],
+        "training thread": [f"{sum(runs[c]['own_per_method_s'].values()) * 1e6:.1f}" for c in columns],
+        "of it: `on_train_batch_start`": [
+            f"{runs[c]['own_per_method_s']['on_train_batch_start'] * 1e6:.1f}" for c in columns
+        ],
+        "the strategy's Python threads": [f"{python_threads(runs[c]) * 1e6:.1f}" for c in columns],
+        "per `sync_dist` value: wrapper + `reduce`, median": [
+            "-"
+            if runs[c]["per_sync_dist_value_s"] is None
+            else f"{runs[c]['per_sync_dist_value_s']['median'] * 1e6:.1f}"
+            for c in columns
+        ],
+    }
+    for label, cells in expected.items():
+        assert table[label] == cells, label
+    assert all(runs[c]["own_cpu_per_step_s"] > 50e-6 for c in columns)  # "met on none ... by this measure"
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -429,6 +467,8 @@ def test_control_group_thread_and_log_wrapper_counted():
         "call_count-72e9c5a",
         "strategy_cost-intel-3c7f37d",
         "strategy_cost-intel-6b76bcc",
+        "strategy_cost-intel-6c50b88",
+        "strategy_cost-tiny-de88abb",
         "suite",
         "tiny_step",
         "tiny_step-heavy-load",

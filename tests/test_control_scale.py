@@ -199,6 +199,9 @@ class _Beat:
     def failures_published(self, store: Any) -> int:
         return int(store.add("failure/count", 0))
 
+    def publish_if_due(self, store: Any) -> None:
+        pass  # as Heartbeat.publish_if_due without a heartbeat thread
+
 
 class _Control:
     """What a DesyncMonitor's inquiry reads of its control plane (one simulated rank, no threads)."""

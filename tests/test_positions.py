@@ -45,7 +45,7 @@ def test_a_training_steps_position_is_built_when_read_and_published_with_the_hea
     store = dist.HashStore()
     seqs = iter(range(10, 100))
     beat = Heartbeat(
-        rank=1, world_size=2, interval=0, store=store, connect=lambda: store, desync_agreed=lambda: False,
+        rank=1, world_size=2, interval=0, store=store, desync_agreed=lambda: False,
         seq=lambda: next(seqs),
     )  # fmt: skip
     beat.note_step(5, batch=6, epoch=0, epoch_batch=6)
@@ -110,7 +110,7 @@ def test_the_epoch_of_a_training_step_is_read_once_per_epoch_and_again_after_a_n
             return Trainer.epoch
 
     store = dist.HashStore()
-    beat = Heartbeat(rank=0, world_size=2, interval=0, store=store, connect=lambda: store, desync_agreed=lambda: False)
+    beat = Heartbeat(rank=0, world_size=2, interval=0, store=store, desync_agreed=lambda: False)
     lifecycle = RunLifecycle(CollectiveCalls(), StrategyOptions.from_arguments())
     lifecycle.control = types.SimpleNamespace(heartbeat=beat)  # type: ignore[assignment]
     trainer = Trainer()

@@ -144,7 +144,6 @@ class ControlPlane(ControlAgreement):
             world_size=world_size,
             interval=heartbeat_interval,
             store=heartbeat_store if heartbeat_store is not None else store,
-            connect=self.connect,
             desync_agreed=lambda: self.desync_error is not None,
             seq=lambda: self._seq,
         )

@@ -342,6 +342,7 @@ class DesyncMonitor:
                 if time.monotonic() > deadline or self.control.heartbeat.failures_published(store) > own_failure:
                     store.compare_set(key, "", INCOMPLETE)  # a rank that failed or went silent never reports
                     break
+                self.control.heartbeat.publish_if_due(store)  # this rank's heartbeat stays fresh while it waits
                 time.sleep(poll_pause(world))
             text = store.get(key).decode()
             error = verdict_from_json(text)

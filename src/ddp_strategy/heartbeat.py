@@ -2,13 +2,13 @@
 
 :class:`Heartbeat` holds where this rank is (its :class:`~ddp_strategy.positions.Position`, step, epoch progress,
 what its training thread waits in, the count and digest of the strategy's collectives) and publishes it as one key,
-``pos/<rank>``. Two daemon threads run while the control plane lives:
-
-* the *publisher* (``ddp_strategy-pulse-rank<r>``) re-publishes the position every heartbeat interval and looks
-  for the first failure another rank published (one ``check`` per beat), so a rank blocked in a data-plane
-  collective still learns it;
-* the *beat thread* (``ddp_strategy-heartbeat-rank<r>``, started with the first hook) runs the beat hooks, e.g.
-  the desync monitor's, on a connection of its own, every interval or every :data:`FAST_BEAT` seconds.
+``pos/<rank>``. One daemon thread, ``ddp_strategy-heartbeat-rank<r>``, runs while the control plane lives. Every
+heartbeat interval it re-publishes the position and looks for the first failure another rank published (one
+``check``), so a rank blocked in a data-plane collective still learns it; at every beat (each interval, or every
+:data:`FAST_BEAT` seconds while a hook asks for it) it runs the beat hooks, e.g. the desync monitor's. One thread
+and one store connection, not one for each task: each wake-up of a thread is paid in CPU (about 100 us on a VM), and
+every connection is a socket on rank 0's store. A hook that waits long (a desync inquiry) keeps the heartbeat fresh
+with :meth:`Heartbeat.publish_if_due`.
 
 A failing rank publishes its failure through it (:meth:`Heartbeat.note_failure`); rank 0, which hosts the store,
 waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals grow beyond
@@ -86,8 +86,7 @@ class Heartbeat:
         world_size: the number of ranks.
         interval: the configured heartbeat interval in seconds (``0``: no threads), scaled beyond
             :data:`RANKS_PER_INTERVAL` ranks.
-        store: the publisher thread's own connection to the run's namespace of the store.
-        connect: opens another connection to it (for the beat thread).
+        store: the heartbeat thread's own connection to the run's namespace of the store.
         desync_agreed: whether the ranks agreed on a desync (going down: rank 0's store may be gone any moment).
         seq: the sequence number of the control plane's next barrier (recorded in a training step's position).
 
@@ -100,7 +99,6 @@ class Heartbeat:
         world_size: int,
         interval: float,
         store: Store,
-        connect: Callable[[], Store],
         desync_agreed: Callable[[], bool],
         seq: Callable[[], int] = lambda: 0,
     ) -> None:
@@ -130,13 +128,12 @@ class Heartbeat:
         self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
         self._ledger: tuple[int, int] = (0, 0)  # (calls, digest) of the strategy's collectives (see `set_ledger`)
         self._store = store
-        self._connect = connect
+        self._next_publish = 0.0  # time.monotonic() of the heartbeat thread's next publication
         self._desync_agreed = desync_agreed
         self._seq = seq
         self._hooks: list[Callable[[Store], None]] = []
         self._stop = threading.Event()
-        self._publisher: threading.Thread | None = None
-        self._beats: threading.Thread | None = None  # runs the beat hooks (see add_beat), started by the first
+        self._thread: threading.Thread | None = None
 
     @property
     def position(self) -> Position:
@@ -189,6 +186,18 @@ class Heartbeat:
     def publish(self, store: Store) -> None:
         """Publish this rank's position with a fresh heartbeat through ``store`` (the calling thread's own)."""
         store.set(POSITION_KEY.format(rank=self.rank), self._published_json(time.time()))
+
+    def publish_if_due(self, store: Store) -> None:
+        """Publish (through ``store``, the calling thread's own) when a heartbeat is due: for a hook that waits long.
+
+        The heartbeat thread runs the beat hooks between its publications; a hook that polls for seconds (a desync
+        inquiry waiting for every rank's report) calls this in its loop, so that this rank's heartbeat stays fresh
+        and no peer takes it for dead. Does nothing without heartbeats, or while the store may be gone.
+        """
+        if self._thread is None or time.monotonic() < self._next_publish or self._going_down():
+            return
+        self._next_publish = time.monotonic() + self.interval
+        self.publish(store)
 
     def note_step(
         self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None
@@ -277,39 +286,33 @@ class Heartbeat:
         except Exception as err:  # best effort: the error being raised is what matters
             log.debug("ddp_strategy: waiting for peers to read rank %d's failure: %s", self.rank, err)
 
-    # ------------------------------------------------------------------ threads
+    # ------------------------------------------------------------------ the thread
     def start(self) -> None:
-        """Start the publisher thread (with several ranks and a positive interval)."""
+        """Start the heartbeat thread (with several ranks and a positive interval)."""
         if self.world_size > 1 and self.interval > 0:
-            self._publisher = threading.Thread(
-                target=self._publisher_loop, name=f"ddp_strategy-pulse-rank{self.rank}", daemon=True
+            self._next_publish = time.monotonic() + self.interval
+            self._thread = threading.Thread(
+                target=self._loop, name=f"ddp_strategy-heartbeat-rank{self.rank}", daemon=True
             )
-            self._publisher.start()
+            self._thread.start()
             end_at_exit(self._stop_at_exit)
 
     def add_beat(self, hook: Callable[[Store], None]) -> None:
         """Run ``hook(store)`` at every beat (each heartbeat interval, :data:`FAST_BEAT` s with :attr:`fast_beat`).
 
-        The hooks run on a thread of their own (``ddp_strategy-heartbeat-rank<r>``, started with the first hook once
-        the publisher runs), apart from the thread that publishes the heartbeat: a slow hook never delays the
-        heartbeat. ``store`` is the beat thread's own connection. When the hooks changed what this rank waits in
-        (:meth:`set_waiting`), the position is published right after them. An exception from ``hook`` is logged, not
-        raised.
+        The hooks run on the heartbeat thread, after its publication when one is due; ``store`` is that thread's
+        connection. A hook that may wait longer than an interval calls :meth:`publish_if_due` while it waits. When the
+        hooks changed what this rank waits in (:meth:`set_waiting`), the position is published right after them. An
+        exception from ``hook`` is logged, not raised.
         """
         self._hooks.append(hook)
-        if self._beats is None and self._publisher is not None:
-            self._beats = threading.Thread(
-                target=self._beat_loop, name=f"ddp_strategy-heartbeat-rank{self.rank}", daemon=True
-            )
-            self._beats.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop both threads and wait for them (at most ``timeout``, default ``max(5 s, 2 intervals)``, each)."""
+        """Stop the heartbeat thread and wait for it (at most ``timeout``, default ``max(5 s, 2 intervals)``)."""
         self._stop.set()
-        for thread in (self._publisher, self._beats):
-            if thread is not None:
-                thread.join(timeout=max(5.0, 2 * self.interval) if timeout is None else timeout)
-        self._publisher = self._beats = None
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, 2 * self.interval) if timeout is None else timeout)
+        self._thread = None
 
     def _stop_at_exit(self) -> None:
         # a rank that exits without teardown (an error under the spawn launcher): no store call in flight while
@@ -327,42 +330,46 @@ class Heartbeat:
         """Whether the store may be gone any moment: the ranks agreed on a desync, or rank 0 failed."""
         return self._desync_agreed() or self._rank0_failed()
 
-    def _beat_loop(self) -> None:
-        try:
-            store = self._connect()
-        except Exception as err:  # the store is gone before the first beat
-            log.debug("ddp_strategy: rank %d: no connection for the beat hooks: %s", self.rank, err)
-            return
-        while not self._stop.wait(self._fast_interval if self.fast_beat else self.interval):
+    def _pause(self) -> float:
+        """Seconds until the next beat: the next publication, or sooner at the fast beat's pace."""
+        until = max(0.0, self._next_publish - time.monotonic())
+        return min(until, self._fast_interval) if self.fast_beat and self._hooks else until
+
+    def _loop(self) -> None:
+        store = self._store
+        while not self._stop.wait(self._pause()):
             if self._rank0_failed():
                 return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
+            if time.monotonic() >= self._next_publish:
+                self._next_publish = time.monotonic() + self.interval
+                if not self._desync_agreed() and not self._pulse(store):
+                    return
+            if not self._hooks:
+                continue
             waiting = self._waiting
             self._beat(store)
             if self._waiting != waiting and not self._going_down():
                 try:
                     self.publish(store)  # the others see the new wait now, not at the next heartbeat
-                except Exception as err:  # the publisher thread reports a gone store
+                except Exception as err:  # the next publication reports a gone store
                     log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
 
-    def _publisher_loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self._desync_agreed():
-                continue  # the ranks agreed on a desync and are going down: rank 0's store may be gone any moment
-            try:
-                self.publish(self._store)
-                if self.peer_failure is None and self._store.check([_FAILED_KEY]):
-                    self._read_peer_failure(self._store)
-                if self._rank0_failed():
-                    return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
-            except Exception as err:  # the store is gone: rank 0 exited or died
-                if not self._stop.is_set():
-                    log.warning(
-                        "ddp_strategy: rank %d stopped publishing its heartbeat: the rendezvous store is "
-                        "unreachable (%s). Rank 0, which hosts it, has probably exited.",
-                        self.rank,
-                        err,
-                    )
-                return
+    def _pulse(self, store: Store) -> bool:
+        """Publish the heartbeat and look for a peer's failure; ``False`` when the thread should end."""
+        try:
+            self.publish(store)
+            if self.peer_failure is None and store.check([_FAILED_KEY]):
+                self._read_peer_failure(store)
+            return not self._rank0_failed()  # rank 0 failed: its store is about to go (see above)
+        except Exception as err:  # the store is gone: rank 0 exited or died
+            if not self._stop.is_set():
+                log.warning(
+                    "ddp_strategy: rank %d stopped publishing its heartbeat: the rendezvous store is "
+                    "unreachable (%s). Rank 0, which hosts it, has probably exited.",
+                    self.rank,
+                    err,
+                )
+            return False
 
     def _read_peer_failure(self, store: Store) -> None:
         """Keep the first failure another rank published, and tell that rank it was seen."""

@@ -455,6 +455,47 @@ def test_strategy_cost_recounted_at_6c50b88_and_de88abb():
     assert all(runs[c]["own_cpu_per_step_s"] > 50e-6 for c in columns)  # "met on none ... by this measure"
 
 
+def test_heartbeat_merge_ab_table_is_the_result_files():
+    """bench/README.md's A/B of one heartbeat thread against two: medians and paired ratios from the result file."""
+    import statistics
+
+    ab = result("strategy_cost_ab-heartbeat-merge")
+    assert ab["base"].startswith("80d696a") and ab["head"].startswith("77b49ab") and not ab["dirty"]
+    for side, names in (("base", {"pulse", "heartbeat"}), ("head", {"heartbeat"})):  # whose code ran, by thread
+        for run in ab["runs"]:
+            threads = {
+                k.split("-")[1] for k in run[side]["mlp"]["threads"] if k != "ddp_strategy-preemption-watch-rank0"
+            }
+            assert threads == names
+    section = (
+        (ROOT / "bench/README.md").read_text().split("#### One heartbeat thread instead of two")[1].split("###")[0]
+    )
+    table = {
+        cells[0]: cells[1:]
+        for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
+    }
+    labels = {
+        "Python threads": "the strategy's Python threads",
+        "training thread": "training thread (code unchanged: the noise)",
+    }
+    for part, label in labels.items():
+        cells = []
+        for workload in ("mlp", "tiny"):
+            stats = ab["analysis"][workload][part]
+            for side in ("base", "head"):
+                cells.append(f"{statistics.median(run[side][workload][part] for run in ab['runs']):.1f}")
+            low, high = stats["range"]
+            cells.append(f"{stats['median']:.3f} [{low:.3f}, {high:.3f}]")
+        assert table[label] == cells, label
+    ratios = ab["analysis"]["mlp"]["Python threads"]["ratios"]
+    assert sum(r < 1 for r in ratios) == 3 and len(ratios) == 4  # "less in three rounds of four"
+    assert_on("bench/README.md", "(ratios " + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+    waits = [run[side]["mlp"]["idle_thread"] for run in ab["runs"] for side in ("base", "head")]
+    assert_on("bench/README.md", f"{min(waits):.1f} to {max(waits):.1f} us per MLP step")
+    spread = max(abs(r - 1) for w in ("mlp", "tiny") for r in ab["analysis"][w]["training thread"]["ratios"])
+    assert_on("bench/README.md", f"moves by up to {spread * 100:.0f}% between")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -469,6 +510,7 @@ def test_strategy_cost_recounted_at_6c50b88_and_de88abb():
         "strategy_cost-intel-6b76bcc",
         "strategy_cost-intel-6c50b88",
         "strategy_cost-tiny-de88abb",
+        "strategy_cost_ab-heartbeat-merge",
         "suite",
         "tiny_step",
         "tiny_step-heavy-load",

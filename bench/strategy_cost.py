@@ -298,12 +298,12 @@ def instrument_log_sites(counters: Counters) -> Callable[[], None]:
 
 
 def idle_reference(stop: threading.Event) -> threading.Thread:
-    """A thread that only waits, 1 s at a time, as the heartbeat threads do between beats; left out of the total.
+    """A thread that only waits, 1 s at a time, as the heartbeat thread does between beats; left out of the total.
 
     Its CPU time is what this machine charges a thread for waking once a second and nothing else: on a virtual
     machine the wake-up from an idle or busy core is charged to the woken thread (0.2-1.5 ms per wake-up on this
-    one, where bare metal takes a few microseconds). The strategy's two heartbeat threads each wake once a second,
-    so about twice this figure of their CPU time is the cost of waking, not of their work.
+    one, where bare metal takes a few microseconds). The strategy's heartbeat thread wakes once a second (two
+    threads did before 66a1c4b), so about this figure of its CPU time is the cost of waking, not of its work.
     """
 
     def wait() -> None:
@@ -524,7 +524,7 @@ def render(result: dict[str, Any]) -> list[str]:
         lines.append(f"- {row['workload']}: {sum(turns.values()) * 1e6:.1f} in all: " + ", ".join(parts))
     lines += [
         "",
-        "Not counted, for reference: a thread that only waits, 1 s at a time, as each of the two heartbeat threads "
+        "Not counted, for reference: a thread that only waits, 1 s at a time, as the heartbeat thread "
         "does between its beats (us of its CPU per step: what this machine charges for waking a thread once a "
         "second):",
         "",

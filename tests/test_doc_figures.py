@@ -455,6 +455,26 @@ def test_strategy_cost_recounted_at_6c50b88_and_de88abb():
     assert all(runs[c]["own_cpu_per_step_s"] > 50e-6 for c in columns)  # "met on none ... by this measure"
 
 
+def test_step_pauses_around_the_heartbeat_merge():
+    """bench/README.md's evening bullet: each run's stretches over 1 ms, the longest, and where they were."""
+    for name, where in (
+        ("77b49ab-1", "heartbeat.py"),
+        ("80d696a", "desync_audit.py"),
+        ("77b49ab-2", "desync_audit.py"),
+    ):
+        holds = [f["background_holds"] for f in result(f"step_pauses-intel-{name}")["fits"] if f["variant"] == "safe"]
+        over = " and ".join(f"{h['over_1ms']} of {h['stretches']}" for h in holds)
+        longest = " and ".join(f"{h['longest']['cpu_s'] * 1e3:.3f}" for h in holds)
+        assert_on("bench/README.md", over, longest)
+        assert all(h["longest"]["to"].startswith(where) for h in holds)
+    assert any(
+        f["background_holds"]["over_1ms"] > 0
+        for name in ("77b49ab-1", "80d696a")
+        for f in result(f"step_pauses-intel-{name}")["fits"]
+        if f["variant"] == "safe"
+    )  # "missed this evening by both commits"
+
+
 def test_heartbeat_merge_ab_table_is_the_result_files():
     """bench/README.md's A/B of one heartbeat thread against two: medians and paired ratios from the result file."""
     import statistics
@@ -511,6 +531,9 @@ def test_heartbeat_merge_ab_table_is_the_result_files():
         "strategy_cost-intel-6c50b88",
         "strategy_cost-tiny-de88abb",
         "strategy_cost_ab-heartbeat-merge",
+        "step_pauses-intel-77b49ab-1",
+        "step_pauses-intel-77b49ab-2",
+        "step_pauses-intel-80d696a",
         "suite",
         "tiny_step",
         "tiny_step-heavy-load",

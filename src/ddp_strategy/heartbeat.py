@@ -6,7 +6,7 @@ what its training thread waits in, the count and digest of the strategy's collec
 heartbeat interval it re-publishes the position and looks for the first failure another rank published (one
 ``check``), so a rank blocked in a data-plane collective still learns it; at every beat (each interval, or every
 :data:`FAST_BEAT` seconds while a hook asks for it) it runs the beat hooks, e.g. the desync monitor's. One thread
-and one store connection, not one for each task: each wake-up of a thread is paid in CPU (about 100 us on a VM), and
+and one store connection, not one for each task: each wake-up of a thread is paid in CPU (0.1-0.4 ms on a VM), and
 every connection is a socket on rank 0's store. A hook that waits long (a desync inquiry) keeps the heartbeat fresh
 with :meth:`Heartbeat.publish_if_due`.
 

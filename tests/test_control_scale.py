@@ -202,6 +202,9 @@ class _Beat:
     def publish_if_due(self, store: Any) -> None:
         pass  # as Heartbeat.publish_if_due without a heartbeat thread
 
+    def read_with_failures(self, store: Any, keys: list[str]) -> list[bytes]:
+        return list(store.multi_get(["failure/count", *keys]))[1:]  # as Heartbeat's, no failure published here
+
 
 class _Control:
     """What a DesyncMonitor's inquiry reads of its control plane (one simulated rank, no threads)."""
@@ -211,6 +214,7 @@ class _Control:
         self.desync_error: CollectiveMismatchError | None = None
         self.in_barrier = None
         self.heartbeat: Any = _Beat()
+        store.inner.add("failure/count", 0)  # as Heartbeat.start (not counted: the beats are)
 
     def forget_at_close(self, *keys: str, shared: bool = False) -> None:
         pass
@@ -297,8 +301,9 @@ class _BeatingControl(_Control):
 
 def test_a_rank_stuck_in_a_wait_beats_with_one_store_operation_at_any_world_size(monkeypatch):
     # while a rank waits (a late rank at a checkpoint barrier, a slow collective) it beats fast, to answer an
-    # inquiry within a fraction of a second: each of those beats is one multi_get of two counters, whatever W is
-    # (before issue 32: two adds and a read of the next rank's position on every beat)
+    # inquiry within a fraction of a second: each of those beats is one multi_get of three counters (the heartbeat's
+    # failure count with the monitor's two), whatever W is (before issue 32: two adds and a read of the next rank's
+    # position on every beat)
     monkeypatch.setattr(DesyncMonitor, "_current_wait", lambda self: ("collective 0#7", time.time() - 60))
     per_beat = {}
     for world_size in (8, 64):

@@ -7,8 +7,11 @@ through ``publish_if_due``.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,26 +20,35 @@ import torch.distributed as dist
 from ddp_strategy.heartbeat import Heartbeat
 from ddp_strategy.positions import Position
 from ddp_strategy.store_barrier import POSITION_KEY
+from tests.proc import SCRIPTS, run_script
 
 INTERVAL = 0.2
 
 
 class CountingStore:
-    """A HashStore that counts the publications of rank 0's position and notes which threads call it."""
+    """A HashStore that counts the publications of rank 0's position and every call by method (``calls``)."""
 
-    def __init__(self) -> None:
-        self._store = dist.HashStore()
+    def __init__(self, store: Any = None) -> None:
+        self._store = dist.HashStore() if store is None else store
         self.published = 0
         self.threads: set[str] = set()
+        self.calls: Counter[str] = Counter()
 
     def set(self, key: str, value: str) -> None:
         self.threads.add(threading.current_thread().name)
+        self.calls["set"] += 1
         if key == POSITION_KEY.format(rank=0):
             self.published += 1
         self._store.set(key, value)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+        method = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return method(*args, **kwargs)
+
+        return counted
 
 
 def started(store: CountingStore, **kwargs: Any) -> Heartbeat:
@@ -132,3 +144,82 @@ def test_publish_if_due_does_nothing_without_a_heartbeat_thread():
     beat.start()
     beat.publish_if_due(store)
     assert store.published == 0 and beat._thread is None
+
+
+def test_an_interval_costs_one_set_and_one_multi_get_when_a_hook_reads_its_keys_with_the_failure_count():
+    # before: the publication (set), the heartbeat's failure check (check) and the desync hook's own read (a check
+    # of the next rank's position, then a multi_get): four round trips per interval and rank on rank 0's store
+    store = CountingStore()
+    store.set("desync/inquiry", "0")
+    beats: list[list[bytes]] = []
+    beat = started(store)
+    try:
+        beat.add_beat(lambda s: beats.append(beat.read_with_failures(s, ["desync/inquiry"])))
+        deadline = time.monotonic() + 10
+        while len(beats) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.stop()
+    calls = dict(store.calls)
+    assert len(beats) >= 5 and all(values == [b"0"] for values in beats)
+    # set: the test's own key, then one publication per beat (a beat can end the test between the two)
+    assert calls.pop("set") - 1 - calls["multi_get"] in (0, 1), store.calls
+    assert calls.pop("multi_get") == len(beats)
+    assert calls == {"add": 1}  # the failure count made at the start: no check, no second read per interval
+
+
+def test_without_hooks_an_interval_costs_a_set_and_one_read_of_the_failure_count():
+    store = CountingStore()
+    beat = started(store)
+    try:
+        deadline = time.monotonic() + 10
+        while store.published < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.stop()
+    assert store.calls["add"] - 1 in (store.published - 1, store.published)  # one read per publication
+    assert set(store.calls) == {"set", "add"}
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_a_peer_failure_is_read_once_and_acknowledged(hook: bool):
+    # rank 1 fails; rank 0's heartbeat learns it from the count, with its hook's keys or on its own, reads rank 1's
+    # position once, and counts itself among the ranks that saw it (what rank 1 waits for before exiting)
+    shared = dist.HashStore()
+    store, peer_store = CountingStore(shared), CountingStore(shared)
+    beat = started(store)
+    peer = Heartbeat(rank=1, world_size=2, interval=0, store=peer_store, desync_agreed=lambda: False)
+    try:
+        if hook:
+            shared.set("desync/inquiry", "0")
+            beat.add_beat(lambda s: beat.read_with_failures(s, ["desync/inquiry"]))
+        time.sleep(2 * INTERVAL)
+        assert beat.peer_failure is None and store.calls["get"] == 0
+        peer.note_failure(RuntimeError("CUDA error: an illegal memory access"), 3, peer_store)
+        deadline = time.monotonic() + 10
+        while beat.peer_failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3 * INTERVAL)  # more beats: the failure is not read again
+    finally:
+        beat.stop()
+    assert beat.peer_failure is not None
+    rank, position = beat.peer_failure
+    assert rank == 1 and position.kind == "failed" and position.name.startswith("RuntimeError: CUDA error")
+    assert store.calls["get"] == 1  # the first failure's rank once (rank 1's position: one compare_set)
+    assert int(shared.add("failure/seen", 0)) == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_graceful_close_deletes_no_key_while_a_peer_heartbeat_still_reads_it(tmp_path: Path):
+    # the desync hook reads the next rank's position in its multi_get, which waits for a missing key: rank 1 must not
+    # delete its position while rank 0's heartbeat still beats (here 1 s into close). Deleted right after rank 1's
+    # own heartbeat stopped (before), rank 0's beat waited in that read: close took 6 s (the heartbeat's join
+    # timeout) and left the thread blocked in the store
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    run = run_script([*torchrun, str(SCRIPTS / "close_order.py"), str(tmp_path)], timeout=120)
+    assert run.returncode == 0 and not run.orphans, run.describe()
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["beats"] >= 5 for r in ranks), ranks  # the hooks ran (their multi_get had the peer's key)
+    assert ranks[0]["beats_in_close"] >= 5, ranks  # rank 0 beat on while rank 1 was closing
+    assert [r["heartbeat_alive"] for r in ranks] == [[], []], ranks  # no beat stuck in a read of a deleted key
+    assert all(r["close_seconds"] < 5 for r in ranks), ranks  # not the heartbeat's 5-s join timeout

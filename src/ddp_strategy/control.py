@@ -362,9 +362,12 @@ class ControlPlane(ControlAgreement):
         finally:
             self.heartbeat.stop()
             if self._group is not None and dist.is_initialized():
-                if closing:  # every rank is here: none needs the store once rank 0 goes on
-                    self._delete_keys(self._own_keys)
+                if closing:
+                    # every rank's heartbeat has stopped: no beat reads a peer's key any more (a read of a deleted
+                    # key would wait for the store's timeout)
                     dist.barrier(group=self._group)
+                    self._delete_keys(self._own_keys)
+                    dist.barrier(group=self._group)  # every rank is done: none needs the store once rank 0 goes on
                     if self.rank == 0:
                         self._delete_keys(self._shared_keys)
                 dist.destroy_process_group(self._group)

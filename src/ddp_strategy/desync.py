@@ -174,6 +174,7 @@ class DesyncMonitor:
         self._mark: tuple[object, tuple[int, int]] | None = None
         self._skipped_at = 0.0  # when the last beat skipped the counters (the training thread had moved on)
         self._peer_key = POSITION_KEY.format(rank=(control.rank + 1) % control.world_size)
+        self._peer_published = False  # whether the next rank's position was seen in the store (see `beat`)
         self._answered = 0  # the last inquiry this rank answered
         self._counted_stuck = False  # whether this rank counts itself in the store's count of stuck ranks
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
@@ -243,8 +244,12 @@ class DesyncMonitor:
             store.add(_STUCK_KEY, 1 if stuck else -1)
             self._counted_stuck = stuck
         look = time.monotonic() >= self._next_look  # a fast beat watches for inquiries only
-        peer = look and store.check([self._peer_key])  # the next rank's position: absent before its first heartbeat
-        values = store.multi_get([_INQUIRY_KEY, _STUCK_KEY] + ([self._peer_key] if peer else []))  # one round trip
+        # the next rank's position: absent before it first published (a `check` until then), deleted only once
+        # every rank's heartbeat has stopped (ControlPlane.close)
+        self._peer_published = self._peer_published or (look and store.check([self._peer_key]))
+        peer = look and self._peer_published
+        keys = [_INQUIRY_KEY, _STUCK_KEY] + ([self._peer_key] if peer else [])
+        values = control.heartbeat.read_with_failures(store, keys)  # one round trip, the failure counter with them
         inquiry, stuck_ranks = int(values[0]), int(values[1])
         if inquiry > self._answered:
             self._answer(store, inquiry)

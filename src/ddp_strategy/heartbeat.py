@@ -3,12 +3,14 @@
 :class:`Heartbeat` holds where this rank is (its :class:`~ddp_strategy.positions.Position`, step, epoch progress,
 what its training thread waits in, the count and digest of the strategy's collectives) and publishes it as one key,
 ``pos/<rank>``. One daemon thread, ``ddp_strategy-heartbeat-rank<r>``, runs while the control plane lives. Every
-heartbeat interval it re-publishes the position and looks for the first failure another rank published (one
-``check``), so a rank blocked in a data-plane collective still learns it; at every beat (each interval, or every
-:data:`FAST_BEAT` seconds while a hook asks for it) it runs the beat hooks, e.g. the desync monitor's. One thread
-and one store connection, not one for each task: each wake-up of a thread is paid in CPU (0.1-0.4 ms on a VM), and
-every connection is a socket on rank 0's store. A hook that waits long (a desync inquiry) keeps the heartbeat fresh
-with :meth:`Heartbeat.publish_if_due`.
+heartbeat interval it re-publishes the position and looks whether another rank published a failure, so a rank
+blocked in a data-plane collective still learns it; at every beat (each interval, or every :data:`FAST_BEAT`
+seconds while a hook asks for it) it runs the beat hooks, e.g. the desync monitor's. One thread and one store
+connection, not one for each task: each wake-up of a thread is paid in CPU (0.1-0.4 ms on a VM), and every
+connection is a socket on rank 0's store. For the same reason a hook reads its keys with
+:meth:`Heartbeat.read_with_failures`, which reads the failure counter in the same round trip: an interval's store
+work is one ``set`` and one ``multi_get``. A hook that waits long (a desync inquiry) keeps the heartbeat fresh with
+:meth:`Heartbeat.publish_if_due`.
 
 A failing rank publishes its failure through it (:meth:`Heartbeat.note_failure`); rank 0, which hosts the store,
 waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals grow beyond
@@ -132,6 +134,8 @@ class Heartbeat:
         self._desync_agreed = desync_agreed
         self._seq = seq
         self._hooks: list[Callable[[Store], None]] = []
+        self._failures_read = False  # whether a hook read the failure counter during this beat (read_with_failures)
+        self._failures_seen = 0  # the failure count when this rank last read the first failure
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -243,6 +247,36 @@ class Heartbeat:
     def _rank0_failed(self) -> bool:
         return self.peer_failure is not None and self.peer_failure[0] == 0
 
+    def read_with_failures(self, store: Store, keys: Sequence[str]) -> list[bytes]:
+        """``store.multi_get(keys)`` with the failure counter in the same round trip: for a beat hook.
+
+        Every key must exist (a ``multi_get`` waits for a missing one). When the counter shows a failure this rank
+        has not read yet, the first failure is read (:attr:`peer_failure`) before this returns. A beat in which a
+        hook called this needs no failure check of its own: an interval's store work is one ``set`` and this.
+
+        Args:
+            store: the calling thread's own connection (a hook's argument).
+            keys: the keys the hook reads.
+
+        Returns:
+            The values of ``keys``, in order.
+
+        """
+        values = store.multi_get([_FAILURES_KEY, *keys])
+        self._failures_read = True
+        self._note_failures(store, int(values[0]))
+        return list(values[1:])
+
+    def _note_failures(self, store: Store, failures: int) -> None:
+        """Read the first failure when ``failures`` (the counter) grew since the last read and none was kept yet.
+
+        A rank publishes its failure's rank before it counts it (:meth:`note_failure`), so the first failure's rank
+        is there whenever the count is above 0: the count needs reading once per new failure, not once per beat.
+        """
+        if self.peer_failure is None and failures > self._failures_seen:
+            self._failures_seen = failures
+            self._read_peer_failure(store)
+
     def note_failure(self, exception: BaseException, seq: int, store: Store) -> None:
         """Publish that this rank failed (before its barrier ``seq``), so ranks waiting for it stop at once.
 
@@ -256,8 +290,9 @@ class Heartbeat:
             return
         try:
             self.publish(store)
-            store.add(_FAILURES_KEY, 1)
+            # the rank first, then the count: a peer that reads a count above 0 finds the first failure's rank set
             store.compare_set(_FAILED_KEY, "", str(self.rank))  # the first failure is the one to name
+            store.add(_FAILURES_KEY, 1)
             # ranks waiting in (or coming to) the next barrier of this rank, which it never enters, stop at once
             abort(store, seq, Outcome("failed", (self.rank,), {self.rank: self.position}, by=self.rank))
         except Exception as err:
@@ -290,6 +325,7 @@ class Heartbeat:
     def start(self) -> None:
         """Start the heartbeat thread (with several ranks and a positive interval)."""
         if self.world_size > 1 and self.interval > 0:
+            self._store.add(_FAILURES_KEY, 0)  # it exists from now on: the beats read it in their one multi_get
             self._next_publish = time.monotonic() + self.interval
             self._thread = threading.Thread(
                 target=self._loop, name=f"ddp_strategy-heartbeat-rank{self.rank}", daemon=True
@@ -301,7 +337,8 @@ class Heartbeat:
         """Run ``hook(store)`` at every beat (each heartbeat interval, :data:`FAST_BEAT` s with :attr:`fast_beat`).
 
         The hooks run on the heartbeat thread, after its publication when one is due; ``store`` is that thread's
-        connection. A hook that may wait longer than an interval calls :meth:`publish_if_due` while it waits. When the
+        connection. A hook reads its keys with :meth:`read_with_failures` (the heartbeat's failure check comes with
+        them); one that may wait longer than an interval calls :meth:`publish_if_due` while it waits. When the
         hooks changed what this rank waits in (:meth:`set_waiting`), the position is published right after them. An
         exception from ``hook`` is logged, not raised.
         """
@@ -340,27 +377,33 @@ class Heartbeat:
         while not self._stop.wait(self._pause()):
             if self._rank0_failed():
                 return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
-            if time.monotonic() >= self._next_publish:
+            pulse = time.monotonic() >= self._next_publish and not self._desync_agreed()
+            if pulse:
                 self._next_publish = time.monotonic() + self.interval
-                if not self._desync_agreed() and not self._pulse(store):
+                if not self._store_call(self.publish, store):
                     return
-            if not self._hooks:
-                continue
+            self._failures_read = False
             waiting = self._waiting
-            self._beat(store)
+            if self._hooks:
+                self._beat(store)
+            if pulse and not self._failures_read and not self._store_call(self._check_failures, store):
+                return  # no hook read the failure counter in this beat: a read of its own
+            if self._rank0_failed():
+                return  # see above
             if self._waiting != waiting and not self._going_down():
                 try:
                     self.publish(store)  # the others see the new wait now, not at the next heartbeat
                 except Exception as err:  # the next publication reports a gone store
                     log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
 
-    def _pulse(self, store: Store) -> bool:
-        """Publish the heartbeat and look for a peer's failure; ``False`` when the thread should end."""
+    def _check_failures(self, store: Store) -> None:
+        self._note_failures(store, int(store.add(_FAILURES_KEY, 0)))
+
+    def _store_call(self, call: Callable[[Store], None], store: Store) -> bool:
+        """``call(store)``; ``False`` (the thread should end) when the store is gone."""
         try:
-            self.publish(store)
-            if self.peer_failure is None and store.check([_FAILED_KEY]):
-                self._read_peer_failure(store)
-            return not self._rank0_failed()  # rank 0 failed: its store is about to go (see above)
+            call(store)
+            return True
         except Exception as err:  # the store is gone: rank 0 exited or died
             if not self._stop.is_set():
                 log.warning(

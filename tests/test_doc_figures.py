@@ -764,3 +764,34 @@ def test_step_pauses_re_measured():
         f"{ms(new[1]['dumps']['longest_training_thread_wall_s'])} ms of wall time "
         f"({ms(max(f['dumps']['longest_training_thread_wall_s'] for f in safe['e8781ec']))} ms in the earlier run)",
     )
+
+
+def test_one_read_per_heartbeat_table_is_the_result_files():
+    """bench/README.md's steady-state counts before and after the heartbeat's one read, from the result files."""
+    runs = {n: result(f"control_plane_scale_heartbeat_{n}") for n in ("before", "after")}
+    assert runs["before"]["source"]["commit"].startswith("328e16a") and not runs["before"]["source"]["dirty"]
+    assert runs["after"]["source"]["commit"].startswith("a6ff6ae") and not runs["after"]["source"]["dirty"]
+    rows = {
+        n: {r["world"]: r for r in run["rows"] if r["kind"] == "measured" and r["state"] == "steady"}
+        for n, run in runs.items()
+    }
+    assert set(rows["before"]) == set(rows["after"]) == {8, 64, 256}
+    section = (ROOT / "bench/README.md").read_text().split("#### One read per heartbeat")[1]
+    table = {
+        cells[0]: cells[1:]
+        for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
+    }
+    for world in (8, 64, 256):
+        before, after = rows["before"][world], rows["after"][world]
+        assert table[str(world)] == [
+            f"{before['ops_per_rank_s']:.2f} -> {after['ops_per_rank_s']:.2f}",
+            f"{before['background_ops_per_beat']:.2f} -> {after['background_ops_per_beat']:.2f}",
+            f"{before['calls']['check']} -> {after['calls']['check']}",
+        ]
+        assert after["calls"]["check"] < 1.1 * world + 20  # each rank's first look at the next rank, the audit's
+    before, after = rows["before"][256], rows["after"][256]
+    assert_on(
+        "bench/README.md",
+        f"{before['server_cpu_s']:.2f} s -> {after['server_cpu_s']:.2f} s in the 6-s window",
+        f"fell {(1 - after['keys'] / before['keys']) * 100:.0f}% ({before['keys']} -> {after['keys']})",
+    )

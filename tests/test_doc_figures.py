@@ -795,3 +795,39 @@ def test_one_read_per_heartbeat_table_is_the_result_files():
         f"{before['server_cpu_s']:.2f} s -> {after['server_cpu_s']:.2f} s in the 6-s window",
         f"fell {(1 - after['keys'] / before['keys']) * 100:.0f}% ({before['keys']} -> {after['keys']})",
     )
+
+
+def test_one_read_ab_table_is_the_result_files():
+    """bench/README.md's A/B of the heartbeat's one read: medians, paired ratios and their spread from the result."""
+    import statistics
+
+    ab = result("strategy_cost_ab-one-read")
+    assert ab["base"].startswith("328e16a") and ab["head"].startswith("eed46b7") and not ab["dirty"]
+    assert len(ab["runs"]) == 6
+    section = (ROOT / "bench/README.md").read_text().split("#### One store read per heartbeat")[1].split("###")[0]
+    table = {
+        cells[0]: cells[1:]
+        for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
+    }
+    labels = {
+        "Python threads": "the strategy's Python threads",
+        "training thread": "training thread (code unchanged: the noise)",
+    }
+    for part, label in labels.items():
+        cells = []
+        for workload in ("mlp", "tiny"):
+            stats = ab["analysis"][workload][part]
+            for side in ("base", "head"):
+                cells.append(f"{statistics.median(run[side][workload][part] for run in ab['runs']):.1f}")
+            low, high = stats["range"]
+            cells.append(f"{stats['median']:.3f} [{low:.3f}, {high:.3f}]")
+        assert table[label] == cells, label
+    for workload, count in (("tiny", "five rounds of six"), ("mlp", "three of six")):
+        ratios = ab["analysis"][workload]["Python threads"]["ratios"]
+        assert_on("bench/README.md", "(ratios " * (workload == "tiny") + ", ".join(f"{r:.3f}" for r in ratios))
+        assert sum(r < 1 for r in ratios) == {"five rounds of six": 5, "three of six": 3}[count]
+        assert_on("bench/README.md", count)
+    waits = [run[side]["mlp"]["idle_thread"] for run in ab["runs"] for side in ("base", "head")]
+    assert_on("bench/README.md", f"{min(waits):.1f} to {max(waits):.1f} us per MLP step")
+    spread = max(abs(r - 1) for w in ("mlp", "tiny") for r in ab["analysis"][w]["training thread"]["ratios"])
+    assert_on("bench/README.md", f"moved by up to {spread * 100:.0f}% between")

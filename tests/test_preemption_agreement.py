@@ -531,3 +531,43 @@ def test_when_requested_runs_at_once_for_a_rank_already_signalled():
     late: list[int] = []
     a.when_requested(lambda: late.append(1))
     assert late == [1]
+
+
+_WATCH_SCRIPT = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from ddp_strategy.preemption import NoticeWatch
+host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", host.port, 1, False, timeout=timedelta(seconds=30))
+renew = float(sys.argv[1])
+watch = NoticeWatch(client, rank=0, waker=host, **({"renew": renew} if renew else {}))
+watch.start()
+time.sleep(2.6)
+NoticeWatch.close_for_all(host)  # as rank 0 at a stage's end: every watch ends
+watch.thread.join(5)
+print("ended", not watch.thread.is_alive())
+"""
+
+
+@pytest.mark.parametrize("renew", [0.5, 0.0])
+def test_a_watch_renewal_makes_torch_log_two_warnings_so_the_default_renews_once_a_week(renew: float):
+    # each renewal is a store wait that timed out, and torch's client logs two warnings for it; renewed every 60 s
+    # (before), a run of a day logged 2 x 1440 lines per rank (12M at 4096 ranks). The default now waits a week; the
+    # watch still ends at once when the run ends (close_for_all)
+    import subprocess
+    import sys
+
+    from ddp_strategy.preemption import WATCH_RENEWAL
+
+    run = subprocess.run(
+        [sys.executable, "-c", _WATCH_SCRIPT, str(renew)], capture_output=True, text=True, timeout=120, check=False
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "ended True" in out, out[-3000:]
+    warnings = out.count("[c10d] waitForInput")
+    if renew:
+        assert warnings >= 2 * 4, out[-3000:]  # 5 renewals in 2.6 s: two lines each (a loaded machine: fewer)
+    else:
+        assert warnings == 0, out[-3000:]
+        assert WATCH_RENEWAL >= 7 * 24 * 3600

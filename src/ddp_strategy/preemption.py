@@ -46,6 +46,7 @@ from .store import Store
 
 __all__ = [
     "DEFAULT_PREEMPTION_SIGNALS",
+    "WATCH_RENEWAL",
     "NoticeWatch",
     "Position",
     "Preempted",
@@ -189,13 +190,20 @@ class _Notice:
         return cls(int(data["rank"]), str(data["signal"]), str(data["where"]), float(data["time"]))
 
 
+#: Seconds between two renewals of a :class:`NoticeWatch`'s wait: a week (each renewal makes torch log two warnings).
+WATCH_RENEWAL = 7 * 24 * 3600.0
+
+
 class NoticeWatch:
     """A thread blocked in one store ``wait`` for the signal key; :attr:`notice` is set when a rank publishes one.
 
     No polling: the store wakes the wait when the key is set, so the rank learns of a signal on another rank within
     milliseconds, whatever its training thread is doing. The wait is renewed every ``renew`` seconds (one store
-    operation). The thread ends when the key is set (a notice, or :meth:`close_for_all` at the end of a run), after
-    :meth:`close` at its next renewal, or when the store fails (its host is gone).
+    operation), by default once a week (:data:`WATCH_RENEWAL`): torch's store client logs two warnings at each wait
+    that times out (``[c10d] waitForInput: ... timed out``), which every minute on every rank flooded a long run's
+    logs. The thread ends when the key is set (a notice, or :meth:`close_for_all` at the end of a run, which rank 0
+    calls at a stage's end and every rank after an exception), at process exit (:meth:`end_at_exit` sets it), when
+    the store fails (its host is gone), or after :meth:`close` at its next renewal.
 
     Args:
         store: a connection of its own (a blocking ``wait`` holds it), to the run's store namespace.
@@ -205,7 +213,7 @@ class NoticeWatch:
 
     """
 
-    def __init__(self, store: Store, *, rank: int, renew: float = 60.0, waker: Store | None = None) -> None:
+    def __init__(self, store: Store, *, rank: int, renew: float = WATCH_RENEWAL, waker: Store | None = None) -> None:
         #: The notice a rank published, once the watch saw it.
         self.notice: _Notice | None = None
         self._store = store

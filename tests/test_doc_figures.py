@@ -475,21 +475,9 @@ def test_step_pauses_around_the_heartbeat_merge():
     )  # "missed this evening by both commits"
 
 
-def test_heartbeat_merge_ab_table_is_the_result_files():
-    """bench/README.md's A/B of one heartbeat thread against two: medians and paired ratios from the result file."""
-    import statistics
-
-    ab = result("strategy_cost_ab-heartbeat-merge")
-    assert ab["base"].startswith("80d696a") and ab["head"].startswith("77b49ab") and not ab["dirty"]
-    for side, names in (("base", {"pulse", "heartbeat"}), ("head", {"heartbeat"})):  # whose code ran, by thread
-        for run in ab["runs"]:
-            threads = {
-                k.split("-")[1] for k in run[side]["mlp"]["threads"] if k != "ddp_strategy-preemption-watch-rank0"
-            }
-            assert threads == names
-    section = (
-        (ROOT / "bench/README.md").read_text().split("#### One heartbeat thread instead of two")[1].split("###")[0]
-    )
+def assert_ab_table(ab: dict[str, Any], heading: str) -> None:
+    """The table under ``heading`` in bench/README.md is the A/B result ``ab``: per part, medians and paired ratios."""
+    section = (ROOT / "bench/README.md").read_text().split(heading)[1].split("###")[0]
     table = {
         cells[0]: cells[1:]
         for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
@@ -507,6 +495,19 @@ def test_heartbeat_merge_ab_table_is_the_result_files():
             low, high = stats["range"]
             cells.append(f"{stats['median']:.3f} [{low:.3f}, {high:.3f}]")
         assert table[label] == cells, label
+
+
+def test_heartbeat_merge_ab_table_is_the_result_files():
+    """bench/README.md's A/B of one heartbeat thread against two: medians and paired ratios from the result file."""
+    ab = result("strategy_cost_ab-heartbeat-merge")
+    assert ab["base"].startswith("80d696a") and ab["head"].startswith("77b49ab") and not ab["dirty"]
+    for side, names in (("base", {"pulse", "heartbeat"}), ("head", {"heartbeat"})):  # whose code ran, by thread
+        for run in ab["runs"]:
+            threads = {
+                k.split("-")[1] for k in run[side]["mlp"]["threads"] if k != "ddp_strategy-preemption-watch-rank0"
+            }
+            assert threads == names
+    assert_ab_table(ab, "#### One heartbeat thread instead of two")
     ratios = ab["analysis"]["mlp"]["Python threads"]["ratios"]
     assert sum(r < 1 for r in ratios) == 3 and len(ratios) == 4  # "less in three rounds of four"
     assert_on("bench/README.md", "(ratios " + ", ".join(f"{r:.3f}" for r in ratios) + ")")
@@ -799,29 +800,10 @@ def test_one_read_per_heartbeat_table_is_the_result_files():
 
 def test_one_read_ab_table_is_the_result_files():
     """bench/README.md's A/B of the heartbeat's one read: medians, paired ratios and their spread from the result."""
-    import statistics
-
     ab = result("strategy_cost_ab-one-read")
     assert ab["base"].startswith("328e16a") and ab["head"].startswith("eed46b7") and not ab["dirty"]
     assert len(ab["runs"]) == 6
-    section = (ROOT / "bench/README.md").read_text().split("#### One store read per heartbeat")[1].split("###")[0]
-    table = {
-        cells[0]: cells[1:]
-        for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
-    }
-    labels = {
-        "Python threads": "the strategy's Python threads",
-        "training thread": "training thread (code unchanged: the noise)",
-    }
-    for part, label in labels.items():
-        cells = []
-        for workload in ("mlp", "tiny"):
-            stats = ab["analysis"][workload][part]
-            for side in ("base", "head"):
-                cells.append(f"{statistics.median(run[side][workload][part] for run in ab['runs']):.1f}")
-            low, high = stats["range"]
-            cells.append(f"{stats['median']:.3f} [{low:.3f}, {high:.3f}]")
-        assert table[label] == cells, label
+    assert_ab_table(ab, "#### One store read per heartbeat")
     for workload, count in (("tiny", "five rounds of six"), ("mlp", "three of six")):
         ratios = ab["analysis"][workload]["Python threads"]["ratios"]
         assert_on("bench/README.md", "(ratios " * (workload == "tiny") + ", ".join(f"{r:.3f}" for r in ratios))

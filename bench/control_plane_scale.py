@@ -419,8 +419,10 @@ def _entry(seq: int) -> dict[str, Any]:
     }
 
 
-def fake_collective_trace() -> list[dict[str, Any]]:
+def fake_collective_trace(before_parsing: Callable[[], object] | None = None) -> list[dict[str, Any]]:
     """``collective_trace`` of the calling thread's simulated rank: its newest ``--trace-entries`` entries."""
+    if before_parsing is not None:
+        before_parsing()  # the audit's short sleep between torch's dump and its unpickling
     recorder = _current_recorder()
     first = max(1, recorder.enqueued - _TRACE_ENTRIES[0] + 1)
     return [{**_entry(seq), "retired": seq <= recorder.completed} for seq in range(first, recorder.enqueued + 1)]

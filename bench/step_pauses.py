@@ -13,7 +13,8 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   their run into *stretches* between two calls that release the GIL (store operations, sleeps, waits); a stretch's
   thread CPU time is how long that thread kept the GIL (a training thread wanting it waited at most that long), less
   the profile function's own CPU per event (calibrated in the same process). The longest stretch, and the longest
-  single C call in one (its name), are reported;
+  single C call in one (its name), are reported, and the longest stretch between each pair of such sites (the
+  ``SITES_SHOWN`` longest pairs): which work holds the GIL how long;
 * **every Flight Recorder dump with stacks** (``collective_trace``): on which thread, its wall and CPU time, the
   first one (the slowest, symbols loaded) included;
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
@@ -82,6 +83,8 @@ def releases_gil(call: Any) -> str:
 STORE_OPERATIONS = {
     *("set", "get", "check", "add", "multi_get", "multi_set", "compare_set", "append", "delete_key", "wait"),
 }
+#: the stretches reported per pair of sites (the longest of each), longest first
+SITES_SHOWN = 4
 #: a lock's ``acquire`` that took longer than this (wall seconds) waited, the GIL released
 BLOCKED_AFTER = 50e-6
 HOOKS = (
@@ -159,6 +162,8 @@ class Holds:
         self.stretches = 0
         self.over_1ms = 0
         self.longest_c_call: dict[str, Any] = {"cpu_s": 0.0}
+        #: the longest stretch between each pair of sites (from, to) that let the GIL go: which work holds it how long
+        self.by_sites: dict[tuple[str, str], float] = {}
         self.recording = False
         self._local = threading.local()
 
@@ -192,6 +197,8 @@ class Holds:
         if self.recording:
             self.stretches += 1
             self.over_1ms += held > 1e-3
+            sites = (local.began, where)
+            self.by_sites[sites] = max(held, self.by_sites.get(sites, 0.0))
             if held > self.longest["cpu_s"]:
                 thread = threading.current_thread().name
                 self.longest = {"cpu_s": held, "thread": thread, "events": events, "from": local.began, "to": where}
@@ -230,12 +237,12 @@ class Dumps:
         self.calls: list[dict[str, Any]] = []
         self.training = False
 
-    def wrap(self, dump: Callable[[], Any]) -> Callable[[], Any]:
+    def wrap(self, dump: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(dump)
-        def timed() -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
-                return dump()
+                return dump(*args, **kwargs)
             finally:
                 self.calls.append(
                     {
@@ -341,6 +348,10 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "over_1ms": holds.over_1ms,
             "longest": holds.longest,
             "longest_c_call": holds.longest_c_call,
+            "longest_by_sites": [
+                {"from": began, "to": ended, "cpu_s": held}
+                for (began, ended), held in sorted(holds.by_sites.items(), key=lambda kv: -kv[1])[:SITES_SHOWN]
+            ],
         },
         "garbage_collections": {"count": collections.count, "longest": collections.longest},
         "dumps": {
@@ -414,6 +425,12 @@ def render(result: dict[str, Any]) -> list[str]:
             f"- round {row['round']}: thread `{first['thread']}`, {first['wall_s'] * 1e3:.2f} ms wall, "
             f"{first['cpu_s'] * 1e3:.2f} ms CPU, during training: {first['during_training']}"
         )
+    lines += ["", "The longest stretches of each safe fit by the sites that let the GIL go before and after (ms):", ""]
+    for row in result["fits"]:
+        by_sites = row["background_holds"].get("longest_by_sites")
+        if row["variant"] == "safe" and by_sites:
+            text = ", ".join(f"{s['from']} to {s['to']} {s['cpu_s'] * 1e3:.3f}" for s in by_sites)
+            lines.append(f"- round {row['round']}: {text}")
     return lines
 
 

@@ -46,6 +46,14 @@ _PARSED_AT_ONCE = 16  # entries parsed between two short sleeps (the GIL let go)
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 
+def _let_go_of_the_gil() -> None:
+    """A short sleep: a training thread waiting for the GIL takes it meanwhile.
+
+    A plain function, not a ``partial``: ``bench/step_pauses.py``'s profile function sees its ``sleep`` call.
+    """
+    time.sleep(_YIELD)
+
+
 class RecorderAudit:
     """One rank's audit of its recorded collectives against the next rank's; see the module docs.
 
@@ -88,23 +96,24 @@ class RecorderAudit:
     def _dump(self, *, wait: bool = True, background: bool = True) -> int | None:
         """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made.
 
-        On a ``background`` thread the GIL is let go between the dump and the parsing, and between chunks of it (a
-        short sleep), so that a training thread waiting for it never waits longer than the longest of these parts;
+        On a ``background`` thread the GIL is let go (a short sleep) before torch's dump, between the dump and its
+        unpickling, after both and between chunks of the parsing, so that a training thread waiting for it never
+        waits longer than the longest of these parts;
         the training thread itself does not sleep (it would only wait longer). ``wait=False``: ``None`` at once when
         another thread is dumping.
         """
         if not self._lock.acquire(blocking=wait):
             return None
-        pause = _YIELD if background else 0.0
+        let_go = _let_go_of_the_gil if background else None
         try:
             status = collective_status()
             if status != self._status:
                 self._status = status
-                if pause:
-                    time.sleep(pause)
-                recorded = collective_trace()
-                if pause:
-                    time.sleep(pause)
+                if let_go:
+                    let_go()
+                recorded = collective_trace(let_go)  # the GIL let go between the dump and its unpickling too
+                if let_go:
+                    let_go()
                 newest = self.calls.newest
                 entries = [
                     e
@@ -112,8 +121,8 @@ class RecorderAudit:
                     if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
                 ]
                 for start in range(0, len(entries), _PARSED_AT_ONCE):
-                    if start and pause:
-                        time.sleep(pause)
+                    if start and let_go:
+                        let_go()
                     # no notes: what a call was must come from its own stack, the same on every rank at any time
                     self.calls.add(calls_from_trace(entries[start : start + _PARSED_AT_ONCE]))
                 self._unpublished = True

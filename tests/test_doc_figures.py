@@ -475,6 +475,40 @@ def test_step_pauses_around_the_heartbeat_merge():
     )  # "missed this evening by both commits"
 
 
+def test_step_pauses_dump_apart_from_its_unpickling_table_is_the_result_files():
+    """bench/README.md's table of 2026-11-29: each safe fit's row, stock's longest gap beside it, from the results."""
+    section = (ROOT / "bench/README.md").read_text().split("#### The dump apart from its unpickling")[1]
+    section = section.split("## Tiny-model step")[0]
+    rows = 0
+    for name in ("144a5f5", "split-dump-first", "split-dump"):
+        fits = result(f"step_pauses-intel-{name}")["fits"]
+        stock = {f["round"]: f["hook_gaps"]["max_s"] for f in fits if f["variant"] == "stock"}
+        for fit in (f for f in fits if f["variant"] == "safe"):
+            holds = fit["background_holds"]
+            longest, call = holds["longest"], holds["longest_c_call"]
+            where = {
+                "desync_audit.py:104": "the dump and its unpickling",  # 144a5f5: the sleeps before and after both
+                "desync_audit.py:54": "the dump alone",  # since: a sleep between them too
+                "collective_record.py:185": "the ledger's settling",
+            }[longest["from"]]
+            assert longest["to"] == longest["from"].replace(":104", ":107")
+            cells = (
+                f"| {fit['round']} | {holds['over_1ms']} of {holds['stretches']} | {longest['cpu_s'] * 1e3:.3f}, "
+                f"{where} | {call['cpu_s'] * 1e3:.3f} | {fit['hook_gaps']['max_s'] * 1e3:.3f} / "
+                f"{stock[fit['round']] * 1e3:.3f} |"
+            )
+            assert cells in section, cells
+            rows += 1
+    assert rows == 7
+    # "from 0.92-0.98 ms to 0.49-0.61 ms" in the runs without a stretch over 1 ms
+    before = [f["background_holds"]["longest"]["cpu_s"] for f in result("step_pauses-intel-144a5f5")["fits"][1:3]]
+    after = [f["background_holds"] for f in result("step_pauses-intel-split-dump")["fits"] if f["variant"] == "safe"]
+    assert all(h["over_1ms"] == 0 for h in after)
+    assert_on("bench/README.md", f"from {min(before) * 1e3:.2f}-{max(before) * 1e3:.2f} ms to")
+    assert_on("bench/README.md", f"to {min(h['longest']['cpu_s'] for h in after) * 1e3:.2f}-")
+    assert_on("bench/README.md", f"-{max(h['longest']['cpu_s'] for h in after) * 1e3:.2f} ms: what is left")
+
+
 def assert_ab_table(ab: dict[str, Any], heading: str) -> None:
     """The table under ``heading`` in bench/README.md is the A/B result ``ab``: per part, medians and paired ratios."""
     section = (ROOT / "bench/README.md").read_text().split(heading)[1].split("###")[0]

@@ -509,6 +509,43 @@ def test_step_pauses_dump_apart_from_its_unpickling_table_is_the_result_files():
     assert_on("bench/README.md", f"-{max(h['longest']['cpu_s'] for h in after) * 1e3:.2f} ms: what is left")
 
 
+def test_quiet_ab_table_is_the_result_files():
+    """bench/README.md's A/B of 2026-11-29 morning: table, heartbeat and watch medians, point 1's ranges."""
+    ab = result("strategy_cost_ab-quiet")
+    assert ab["base"].startswith("328e16a") and ab["head"].startswith("312f240") and not ab["dirty"]
+    assert len(ab["runs"]) == 6
+    assert_ab_table(ab, "#### The same A/B on a quiet VM")
+
+    def per_run(side: str, workload: str, key: str) -> list[float]:
+        return [
+            run[side][workload][key] if key in run[side][workload] else run[side][workload]["threads"][key]
+            for run in ab["runs"]
+        ]
+
+    heartbeat, watch = "ddp_strategy-heartbeat-rank0", "ddp_strategy-preemption-watch-rank0"
+    before, after = per_run("base", "mlp", heartbeat), per_run("head", "mlp", heartbeat)
+    assert_on(
+        "bench/README.md",
+        f"{statistics.median(before):.1f} us per step before, {statistics.median(after):.1f} after",
+        f"per round {min(before):.1f}-{max(before):.1f} against {min(after):.1f}-{max(after):.1f}",
+    )
+    assert all(cpu == 0.0 for cpu in per_run("head", "mlp", watch))
+    watched = per_run("base", "mlp", watch)
+    assert_on("bench/README.md", f"0.0 to {max(watched):.1f} (median {statistics.median(watched):.1f}) before")
+    ratios = ab["analysis"]["mlp"]["Python threads"]["ratios"]
+    assert sum(r < 1 for r in ratios) == 3
+    assert_on("bench/README.md", "(ratios " + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+    tiny, mlp = per_run("head", "tiny", "own"), per_run("head", "mlp", "own")
+    assert sum(t < 50 for t in tiny) == 5  # "under 50 in five rounds of six"
+    assert_on(
+        "bench/README.md",
+        f"is {min(tiny):.1f} to {max(tiny):.1f} us",
+        f"{min(mlp):.1f} to {max(mlp):.1f} us stays far off",
+    )
+    idle = per_run("head", "mlp", "idle_thread") + per_run("base", "mlp", "idle_thread")
+    assert_on("bench/README.md", f"the waiting thread cost {min(idle):.1f} to {max(idle):.1f}")
+
+
 def assert_ab_table(ab: dict[str, Any], heading: str) -> None:
     """The table under ``heading`` in bench/README.md is the A/B result ``ab``: per part, medians and paired ratios."""
     section = (ROOT / "bench/README.md").read_text().split(heading)[1].split("###")[0]

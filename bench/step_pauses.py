@@ -14,7 +14,9 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   thread CPU time is how long that thread kept the GIL (a training thread wanting it waited at most that long), less
   the profile function's own CPU per event (calibrated in the same process). The longest stretch, and the longest
   single C call in one (its name), are reported, and the longest stretch between each pair of such sites (the
-  ``SITES_SHOWN`` longest pairs): which work holds the GIL how long;
+  ``SITES_SHOWN`` longest pairs): which work holds the GIL how long. The profile function sees calls made from
+  Python code only: a release inside a C-level callable (a ``functools.partial`` of ``time.sleep``) ends no
+  stretch;
 * **every Flight Recorder dump with stacks** (``collective_trace``): on which thread, its wall and CPU time, the
   first one (the slowest, symbols loaded) included;
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after

@@ -1,7 +1,7 @@
 """The CPU time SafeDDPStrategy's own code adds to a training step, measured directly by instrumentation.
 
 Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--workloads mlp cifar tiny] [--results-dir DIR]
-                                    [--name NAME]
+                                    [--name NAME] [--heartbeat-parts]
 
 ``bench/suite.py`` compares whole steps of interleaved fits of stock ``DDPStrategy`` and ``SafeDDPStrategy()``. On
 this shared 2-core machine the same configuration's step time moves by 2-6% between fits and rounds (where the
@@ -25,7 +25,8 @@ weight agreement, once per epoch, is reported on its own.
 Writes ``strategy_cost.json`` and ``strategy_cost.md`` (``--name``: another name) into ``--results-dir`` (default
 ``bench/results``); ``--workloads`` adds ``tiny``, ``bench/tiny_step.py``'s model with its ``sync_dist`` log;
 ``DDP_STRATEGY_BENCH_NO_DESYNC=1`` measures ``SafeDDPStrategy(desync_detection=False)`` into
-``strategy_cost_no_desync.{json,md}``.
+``strategy_cost_no_desync.{json,md}``; ``--heartbeat-parts`` also times the heartbeat thread's parts (its
+publication, the beat hooks, their store read, the audit's dumps; the rest is its wake-ups and loop).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ import ddp_strategy.control as control_module  # noqa: E402
 from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
 from ddp_strategy.collective_record import LogSites  # noqa: E402
+from ddp_strategy.desync_audit import RecorderAudit  # noqa: E402
+from ddp_strategy.heartbeat import Heartbeat  # noqa: E402
 
 WARMUP = 5
 #: DDP_STRATEGY_BENCH_NO_DESYNC=1: `SafeDDPStrategy(desync_detection=False)`, results in strategy_cost_no_desync.*
@@ -297,6 +300,71 @@ def instrument_log_sites(counters: Counters) -> Callable[[], None]:
     return functools.partial(setattr, LogSites, "install", original)
 
 
+#: ``--heartbeat-parts``: the heartbeat thread's code timed by part, each part with what it calls (a part indented
+#: by two spaces runs inside the one above it); the rest of the thread's CPU is its wake-ups and its loop
+HEARTBEAT_PARTS = {
+    "publication (the position's JSON and its set)": (Heartbeat, "publish"),
+    "beat hooks (the desync monitor's)": (Heartbeat, "_beat"),
+    "  their store read (read_with_failures)": (Heartbeat, "read_with_failures"),
+    "  the audit's recorder dumps": (RecorderAudit, "_dump"),
+    "failure check without a hook": (Heartbeat, "_check_failures"),
+}
+HEARTBEAT_REST = "the rest: wake-ups and the loop"
+
+
+class HeartbeatParts:
+    """``--heartbeat-parts``: the heartbeat thread's CPU by part (:data:`HEARTBEAT_PARTS`), its thread clock only.
+
+    Each timed call costs the heartbeat thread two clock reads (about 1 us); a few calls a second, not subtracted.
+    """
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def install(self) -> Callable[[], None]:
+        """Wrap each part; returns the function that undoes it."""
+        undo: list[Callable[[], None]] = []
+        for label, (owner, name) in HEARTBEAT_PARTS.items():
+            original = getattr(owner, name)
+            setattr(owner, name, self._timed(label, original))
+            undo.append(functools.partial(setattr, owner, name, original))
+
+        def restore() -> None:
+            for action in reversed(undo):
+                action()
+
+        return restore
+
+    def _timed(self, label: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not threading.current_thread().name.startswith("ddp_strategy-heartbeat"):
+                return method(*args, **kwargs)  # the training thread's calls (its dumps as epochs start) are not parts
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.cpu[label] = self.cpu.get(label, 0.0) + time.thread_time() - start
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        return timed
+
+    def snapshot(self) -> tuple[dict[str, float], dict[str, int]]:
+        return dict(self.cpu), dict(self.calls)
+
+
+def heartbeat_parts_per_step(window: Window, heartbeat_cpu_per_step: float) -> dict[str, Any]:
+    """Per step in the window: each part's CPU and calls, and the rest of the heartbeat thread's CPU."""
+    (cpu0, calls0), (cpu1, calls1) = window.parts_start, window.parts_end
+    per_step = {label: (cpu1.get(label, 0.0) - cpu0.get(label, 0.0)) / window.steps for label in HEARTBEAT_PARTS}
+    top = sum(v for label, v in per_step.items() if not label.startswith(" "))
+    return {
+        "cpu_per_step_s": {**per_step, HEARTBEAT_REST: heartbeat_cpu_per_step - top},
+        "calls_in_window": {label: calls1.get(label, 0) - calls0.get(label, 0) for label in HEARTBEAT_PARTS},
+    }
+
+
 def idle_reference(stop: threading.Event) -> threading.Thread:
     """A thread that only waits, 1 s at a time, as the heartbeat thread does between beats; left out of the total.
 
@@ -335,10 +403,12 @@ class Reference(Callback):
 class Window(Callback):
     """Snapshots at the start of step ``WARMUP`` and of step ``WARMUP + steps``, and the training thread's CPU."""
 
-    def __init__(self, counters: Counters, steps: int) -> None:
-        self.counters, self.steps = counters, steps
+    def __init__(self, counters: Counters, steps: int, parts: HeartbeatParts | None = None) -> None:
+        self.counters, self.steps, self.parts = counters, steps, parts
         self.start: Any = None
         self.end: Any = None
+        self.parts_start: Any = None
+        self.parts_end: Any = None
         self.step_cpu: list[float] = []
         self._begin = 0.0
 
@@ -351,10 +421,11 @@ class Window(Callback):
             threads = {t.name: thread_cpu(t) for t in strategy_threads()}
             threads.update({name: native_thread_cpu(tid) for tid, name in CONTROL_GROUP_THREADS.items()})
             mark = (self.counters.snapshot(), threads)
+            parts = self.parts.snapshot() if self.parts is not None else None
             if idx == WARMUP:
-                self.start = mark
+                self.start, self.parts_start = mark, parts
             else:
-                self.end = mark
+                self.end, self.parts_end = mark, parts
             self.counters.recording = idx == WARMUP
         self._begin = time.thread_time()
 
@@ -387,7 +458,7 @@ def own_per_step(window: Window) -> tuple[dict[str, float], dict[str, int], dict
     return own, {k: v for k, v in calls.items() if k in own}, threads
 
 
-def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
+def fit(workload: str, devices: int, steps: int, root: str, heartbeat_parts: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model: pl.LightningModule
     if workload == "mlp":
@@ -403,13 +474,15 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
         data = TensorDataset(torch.randn(count, 3, 32, 32), torch.randint(0, 10, (count,)))
     counters = Counters()
     counters.calibrate()
-    window = Window(counters, steps)
+    parts = HeartbeatParts() if heartbeat_parts else None
+    window = Window(counters, steps, parts)
     CONTROL_GROUP_THREADS.clear()
     restore = [
         instrument_strategy(counters),
         instrument_callback_hooks(counters),
         instrument_control_group(),
         instrument_log_sites(counters),
+        *([parts.install()] if parts is not None else []),
     ]
     stop_idle = threading.Event()
     idle_reference(stop_idle)
@@ -440,6 +513,7 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
     epoch_end = {k: v - leaf * counters.calls[k] for k, v in counters.own.items() if k.endswith("on_train_epoch_end")}
     per_step_total = sum(own.values()) + sum(threads.values())
     step_cpu = statistics.median(window.step_cpu)
+    heartbeat = next((cpu for name, cpu in threads.items() if name.startswith("ddp_strategy-heartbeat")), 0.0)
     return {
         "workload": workload,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -465,6 +539,8 @@ def fit(workload: str, devices: int, steps: int, root: str) -> dict[str, Any]:
             for key, v in sorted(counters.per_call.items())
             if v
         },
+        # --heartbeat-parts: the heartbeat thread's CPU by part (see HEARTBEAT_PARTS)
+        **({"heartbeat_parts": heartbeat_parts_per_step(window, heartbeat)} if parts is not None else {}),
     }
 
 
@@ -553,6 +629,20 @@ def render(result: dict[str, Any]) -> list[str]:
             else f"{value['median'] * 1e6:.1f} [{value['p10'] * 1e6:.1f}, {value['p90'] * 1e6:.1f}]"
         )
         lines.append(f"- {row['workload']}: {text}")
+    with_parts = [row for row in result["workloads"] if "heartbeat_parts" in row]
+    if with_parts:
+        head = (
+            "The heartbeat thread by part (`--heartbeat-parts`; us per step, calls in the window in brackets; a part "
+            "indented runs inside the one above; each part includes what it calls):"
+        )
+        lines += ["", head, ""]
+        for row in with_parts:
+            parts = row["heartbeat_parts"]
+            lines.append(f"- {row['workload']}:")
+            for label, cpu in parts["cpu_per_step_s"].items():
+                calls = parts["calls_in_window"].get(label)
+                indent = "  " * (1 + label.startswith(" "))
+                lines.append(f"{indent}- {label.strip()}: {cpu * 1e6:.1f}" + ("" if calls is None else f" ({calls})"))
     return lines
 
 
@@ -563,10 +653,13 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["mlp", "cifar"], choices=["mlp", "cifar", "tiny"])
     parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--name", help="results file name, no suffix (default strategy_cost[_no_desync])")
+    parser.add_argument(
+        "--heartbeat-parts", action="store_true", help="time the heartbeat thread's parts too (HEARTBEAT_PARTS)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     scratch = tempfile.mkdtemp(prefix="strategy-cost-")
-    rows = [fit(w, args.devices, args.steps, scratch) for w in args.workloads]
+    rows = [fit(w, args.devices, args.steps, scratch, args.heartbeat_parts) for w in args.workloads]
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
     result = {

@@ -546,6 +546,34 @@ def test_quiet_ab_table_is_the_result_files():
     assert_on("bench/README.md", f"the waiting thread cost {min(idle):.1f} to {max(idle):.1f}")
 
 
+def test_heartbeat_parts_table_is_the_result_files():
+    """bench/README.md's heartbeat thread by part: us per step and per beat, from the two result files."""
+    section = (ROOT / "bench/README.md").read_text().split("#### The heartbeat thread by part")[1].split("###")[0]
+    (mlp,) = result("strategy_cost-heartbeat-parts")["workloads"][:1]
+    (tiny,) = result("strategy_cost-heartbeat-parts-tiny")["workloads"]
+    assert (mlp["workload"], mlp["steps"], tiny["workload"], tiny["steps"]) == ("mlp", 300, "tiny", 3000)
+    rows = {
+        "the position's publication (its JSON and its `set`)": "publication (the position's JSON and its set)",
+        "the desync monitor's beat hook, in all": "beat hooks (the desync monitor's)",
+        "of which its store read (`read_with_failures`, one `multi_get`)": "  their store read (read_with_failures)",
+        "of which the audit's recorder dumps (3 and 1 dumps in the window)": "  the audit's recorder dumps",
+        "the rest: wake-ups and the loop": "the rest: wake-ups and the loop",
+        "the heartbeat thread in all (56 and 13 beats in the window)": None,
+    }
+    for label, part in rows.items():
+        cells = []
+        for row in (mlp, tiny):
+            beats = row["heartbeat_parts"]["calls_in_window"]["beat hooks (the desync monitor's)"]
+            heartbeat = row["threads_cpu_per_step_s"]["ddp_strategy-heartbeat-rank0"]
+            cpu = heartbeat if part is None else row["heartbeat_parts"]["cpu_per_step_s"][part]
+            cells += [f"{cpu * 1e6:.1f}", f"{cpu * row['steps'] / beats * 1e6:.0f}"]
+        assert f"| {label} | {' | '.join(cells)} |" in section, label
+    calls = [row["heartbeat_parts"]["calls_in_window"] for row in (mlp, tiny)]
+    assert [c["  the audit's recorder dumps"] for c in calls] == [3, 1]
+    assert [c["beat hooks (the desync monitor's)"] for c in calls] == [56, 13]
+    assert f"cost\n  {mlp['idle_thread_per_step_s'] * 1e6:.1f} us per MLP step" in section
+
+
 def assert_ab_table(ab: dict[str, Any], heading: str) -> None:
     """The table under ``heading`` in bench/README.md is the A/B result ``ab``: per part, medians and paired ratios."""
     section = (ROOT / "bench/README.md").read_text().split(heading)[1].split("###")[0]

@@ -574,6 +574,39 @@ def test_heartbeat_parts_table_is_the_result_files():
     assert f"cost\n  {mlp['idle_thread_per_step_s'] * 1e6:.1f} us per MLP step" in section
 
 
+def test_tiny_step_runs_at_3103ff0_table_is_the_result_files():
+    """bench/README.md's two tiny-step runs of 2026-11-29: ratios, intervals, own CPU and per value, from the results."""
+    section = (ROOT / "bench/README.md").read_text().split("### The tiny-step runs at 3103ff0")[1].split("###")[0]
+    for label, name in (("`--aa`", "tiny_step-intel-aa-3103ff0"), ("default", "tiny_step-intel-3103ff0")):
+        analysis = result(name)["analysis"]
+        assert result(name)["meta"]["git"] == "commit 3103ff0"
+        targets = {t["mode"]: t for t in analysis["targets"]}
+        modes = ("nolog", "sync_dist")
+
+        def bold(target: dict[str, Any]) -> str:
+            text = f"{target['wall']:.3f}"
+            return text if target["met"] else f"**{text}**"
+
+        aa = {r["mode"]: r for r in analysis["ratios"] if r["ratio"] == "stock_again / stock"}
+        own = analysis["own_cpu_per_step"]
+        value = analysis["per_sync_dist_value"]
+        low, high = value["interval_s"]
+        cells = [
+            label,
+            " / ".join(bold(targets[m]) for m in modes),
+            " / ".join("[{:.3f}, {:.3f}]".format(*targets[m]["wall_paired_interval"]) for m in modes),
+            " / ".join(f"{aa[m]['step_mean_s']['of_medians']:.3f}" for m in modes) if aa else "-",
+            " / ".join(f"{targets[m]['cpu']:.3f}" for m in modes),
+            " / ".join(f"{own[m]['total_s']['median'] * 1e6:.0f}" for m in modes),
+            f"{value['cpu_added_s']['median'] * 1e6:.1f} [{low * 1e6:.1f}, {high * 1e6:.1f}]",
+        ]
+        assert f"| {' | '.join(cells)} |" in section, cells
+    first = {t["mode"]: t for t in result("tiny_step-intel-aa-3103ff0")["analysis"]["targets"]}["nolog"]
+    assert first["wall_paired_interval"][0] > 1.02  # "beyond the method's noise"
+    assert f"by {first['wall_added_s']['median'] * 1e6:.0f} us (paired median)" in section
+    assert f"for {first['cpu_added_s']['median'] * 1e6:.0f}\n  us more training-thread CPU" in section
+
+
 def assert_ab_table(ab: dict[str, Any], heading: str) -> None:
     """The table under ``heading`` in bench/README.md is the A/B result ``ab``: per part, medians and paired ratios."""
     section = (ROOT / "bench/README.md").read_text().split(heading)[1].split("###")[0]

@@ -575,7 +575,7 @@ def test_heartbeat_parts_table_is_the_result_files():
 
 
 def test_tiny_step_runs_at_3103ff0_table_is_the_result_files():
-    """bench/README.md's two tiny-step runs of 2026-11-29: ratios, intervals, own CPU and per value, from the results."""
+    """bench/README.md's two tiny-step runs of 2026-11-29: ratios, intervals, own CPU, per value, from the results."""
     section = (ROOT / "bench/README.md").read_text().split("### The tiny-step runs at 3103ff0")[1].split("###")[0]
     for label, name in (("`--aa`", "tiny_step-intel-aa-3103ff0"), ("default", "tiny_step-intel-3103ff0")):
         analysis = result(name)["analysis"]

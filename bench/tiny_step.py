@@ -12,6 +12,9 @@ random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
 * ``stock``: Lightning's ``DDPStrategy()``;
 * ``safe``: ``SafeDDPStrategy()`` at its defaults;
 
+and, for diagnosis (``--variants``, any of them in a group): ``stock_again`` (a second stock fit, as ``--aa`` runs),
+``stock_recorder`` (stock with torch's Flight Recorder on, at the size ``SafeDDPStrategy`` gives it) and
+``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``);
 each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
 
@@ -32,7 +35,9 @@ What is measured, per rank: at the start of every training step (after its batch
 (``time.thread_time``) and the process's (``time.process_time``: gloo's and the strategy's threads too). A step's
 time is the interval to the start of the next step: data fetch, forward, backward with the gradient all-reduce,
 optimizer step, every hook. The first step of each chunk (the two ranks resuming together, caches refilling) is not
-timed. Per fit: the mean over its timed steps (total / steps), the median step, CPU and process CPU per step.
+timed. Per fit: the mean over its timed steps (total / steps), the median step, CPU and process CPU per step; and
+the CPU of each of the process's threads by OS name over the timed chunks' window, per second of it
+(``threads_cpu_per_s``: gloo's threads name themselves).
 
 Report: per (mode, variant) the median over rounds [min, max] of rank 0's figures (and rank 1's mean); per mode the
 ratios safe/stock, stock/raw and safe/raw as the ratio of the medians and the per-round (paired) ratios' median
@@ -70,15 +75,32 @@ from workloads.tiny import SHAPE, network, tiny_module  # noqa: E402  (the model
 VARIANTS = ("raw", "stock", "safe")
 #: ``--aa``: a second stock fit takes the raw loop's place; its ratio to stock is the method's own noise (A/A)
 AA_VARIANTS = ("stock_again", "stock", "safe")
-ALL_VARIANTS = ("raw", "stock_again", "stock", "safe")
+#: ``--variants stock_again stock safe safe_bare``: the strategy with and without its background work, paired
+ALL_VARIANTS = ("raw", "stock_again", "stock", "stock_recorder", "safe", "safe_bare")
+#: the ``safe_bare`` variant's keyword arguments: no heartbeat thread, no desync monitor, no preemption watch
+BARE_KWARGS = {"heartbeat_interval": 0, "desync_detection": False, "preemption_signals": None}
 MODES = ("nolog", "sync_dist")
 LABELS = {
     "raw": "raw PyTorch DDP loop",
     "stock": "Lightning DDPStrategy()",
     "stock_again": "Lightning DDPStrategy(), again (A/A)",
     "safe": "SafeDDPStrategy()",
+    "safe_bare": "SafeDDPStrategy() without background work",
+    "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder on",
 }
-RATIOS = (("safe", "stock"), ("stock_again", "stock"), ("stock", "raw"), ("safe", "raw"))
+#: the ``stock_recorder`` variant's environment: torch's Flight Recorder on, at the size SafeDDPStrategy gives it
+#: (``ddp_strategy.collective_record.TRACE_ENTRIES``, read when the jobs start)
+RECORDER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
+RATIOS = (
+    ("safe", "stock"),
+    ("stock_again", "stock"),
+    ("stock", "raw"),
+    ("safe", "raw"),
+    ("safe_bare", "stock"),
+    ("safe", "safe_bare"),
+    ("stock_recorder", "stock"),
+    ("safe", "stock_recorder"),
+)
 TARGET = ("safe", "stock", 1.02)  # issue 30, point 3: safe / stock at most 1.02 in both modes
 WORLD_SIZE = 2
 FIGURES = ("step_mean_s", "step_median_s", "cpu_step_s", "process_cpu_step_s")
@@ -148,6 +170,10 @@ class Runner:
         cmd += ["--worker-config", json.dumps(config)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONWARNINGS"] = "ignore"
+        if variant == "stock_recorder":
+            from ddp_strategy.collective_record import TRACE_ENTRIES
+
+            env[RECORDER_SIZE_ENV] = str(TRACE_ENTRIES)
         for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
             env.pop(name, None)  # never inherit a rank from an outer launcher
         with open(log, "w") as log_file:
@@ -277,6 +303,17 @@ def own_threads_cpu() -> float:
     return total
 
 
+def threads_cpu_by_name() -> dict[str, float]:
+    """CPU seconds of every thread of this process by its OS name (``comm``; torch's and gloo's threads name
+    themselves, Python's threads are ``python``), from ``/proc``: which threads a variant's process CPU goes to."""
+    total: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # it ended meanwhile
+            name = (task / "comm").read_text().strip()
+            total[name] = total.get(name, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e9
+    return total
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of one fit (under torchrun): train in the baton's chunks; write this rank's ``OUT.rank<R>.json``."""
     config = json.loads(args.worker_config)
@@ -315,6 +352,8 @@ def worker(args: argparse.Namespace) -> None:
             self.threads_in_window: int | None = None
             self.own_threads_at = (0.0, 0.0)
             self.own_threads_cpu_per_s: float | None = None
+            self.threads_at: dict[str, float] = {}
+            self.threads_cpu_per_s: dict[str, float] = {}
             self.fit_to_first_step: float | None = None
 
         def step_start(self) -> None:
@@ -329,9 +368,14 @@ def worker(args: argparse.Namespace) -> None:
             if self.index == config["warmup"]:
                 self.threads_in_window = threading.active_count()
                 self.own_threads_at = (time.perf_counter(), own_threads_cpu())
+                self.threads_at = threads_cpu_by_name()
             if self.index == steps - 1:  # the closing step: the window of the timed chunks is over
                 wall, cpu = time.perf_counter() - self.own_threads_at[0], own_threads_cpu() - self.own_threads_at[1]
                 self.own_threads_cpu_per_s = cpu / wall
+                self.threads_cpu_per_s = {
+                    name: (seconds - self.threads_at.get(name, 0.0)) / wall
+                    for name, seconds in threads_cpu_by_name().items()
+                }
             self.previous = now
             self.index += 1
 
@@ -374,7 +418,11 @@ def worker(args: argparse.Namespace) -> None:
     else:
         pl.seed_everything(config["seed"], verbose=False)
         safe_kwargs = config.get("safe_kwargs") or {}
-        strategy: DDPStrategy = SafeDDPStrategy(**safe_kwargs) if variant == "safe" else DDPStrategy()
+        strategy: DDPStrategy = DDPStrategy()
+        if variant == "safe":
+            strategy = SafeDDPStrategy(**safe_kwargs)
+        elif variant == "safe_bare":
+            strategy = SafeDDPStrategy(**config.get("bare_kwargs", BARE_KWARGS))
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD_SIZE,
@@ -405,6 +453,7 @@ def worker(args: argparse.Namespace) -> None:
         "threads_in_window": clock.threads_in_window,
         "threads_after_fit": threading.active_count(),
         "own_threads_cpu_per_s": clock.own_threads_cpu_per_s,
+        "threads_cpu_per_s": clock.threads_cpu_per_s,
         **fit_figures(clock.steps, config),
     }
     out = Path(f"{args.out}.rank{rank}.json")
@@ -590,13 +639,20 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         f"{meta['loadavg_end'][0]:.2f} at the end, {min(loads):.2f} to {max(loads):.2f} (median "
         f"{statistics.median(loads):.2f}) at the start and end of the groups' timed chunks.",
         "",
-        f"{config['rounds']} rounds; per round and logging mode the three variants' `torchrun` jobs (2 ranks each, "
+        f"{config['rounds']} rounds; per round and logging mode the {len(variants_of(config))} variants' "
+        "`torchrun` jobs (2 ranks each, "
         f"gloo, CPU, one thread per rank, {pinning}) start together (median {ready:.1f} s until every rank is at "
         f"its first step, untimed), then take turns: a warm-up chunk of {config['warmup']} steps, "
         f"{config['chunks']} timed chunks of {config['chunk']} steps (the first step of each untimed: {timed} timed "
         f"steps per fit) and the closing step, in a new order at every pass (median {chunks:.1f} s per group). "
         f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}."
-        + (f" The safe variant: `SafeDDPStrategy(**{config['safe_kwargs']!r})`." if config.get("safe_kwargs") else ""),
+        + (f" The safe variant: `SafeDDPStrategy(**{config['safe_kwargs']!r})`." if config.get("safe_kwargs") else "")
+        + (
+            f" The variant without background work: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`."
+            if "safe_bare" in variants_of(config)
+            else ""
+        )
+        + "".join(f" Every job ran with `{k}={v}`." for k, v in (result["meta"].get("environment") or {}).items()),
         "",
         "Per fit, rank 0: *mean* = time of the timed steps / their number, *median* = median step (a step's start "
         "to the next step's start), *CPU* = training thread CPU time per step, *process CPU* = all threads of the "
@@ -690,6 +746,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--aa", action="store_true", help="a second stock fit instead of the raw loop: the method's noise (A/A)"
     )
+    parser.add_argument(
+        "--variants", nargs="+", choices=ALL_VARIANTS, help="the variants of each round (default raw stock safe)"
+    )
+    parser.add_argument(
+        "--bare-kwargs",
+        type=json.loads,
+        help="diagnosis: JSON keyword arguments of the safe_bare variant (default: no background work)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
     parser.add_argument(
@@ -722,6 +786,10 @@ def main(argv: list[str] | None = None) -> int:
         config["safe_kwargs"] = args.safe_kwargs
     if args.aa:
         config["variants"] = list(AA_VARIANTS)
+    if args.variants:
+        config["variants"] = list(args.variants)
+    if args.bare_kwargs is not None:
+        config["bare_kwargs"] = args.bare_kwargs
     if args.logs != 1:
         config["logs"] = args.logs
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")
@@ -731,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:5.0f} s] {text}", flush=True)
 
     meta = metadata()
+    # a recorder size set for the whole run (e.g. 0: torch's Flight Recorder off, and with it the desync monitor)
+    meta["environment"] = {name: os.environ[name] for name in (RECORDER_SIZE_ENV,) if name in os.environ}
     records, fits = [], []
     with tempfile.TemporaryDirectory(prefix="bench-tiny-step-") as tmp:
         runner = Runner(config, Path(tmp), args.timeout)

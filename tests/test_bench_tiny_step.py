@@ -191,3 +191,54 @@ def test_own_cpu_per_step_adds_the_strategy_threads_cpu_at_the_fits_step_rate_to
     assert own["nolog"]["training_thread_added_s"]["median"] == pytest.approx(1e-4)
     assert own["sync_dist"]["total_s"]["median"] == pytest.approx(1e-4 + 11e-6)
     assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["own_cpu_per_step"] == {}  # runs before it was measured
+
+
+def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(monkeypatch, tmp_path):
+    """``--variants``: stock with the Flight Recorder on, safe without background work, paired in the same rounds."""
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+
+    variants = ["stock", "stock_recorder", "safe", "safe_bare"]
+    config = {**tiny.config_for(quick=True, rounds=None), "variants": variants}
+    assert all(sorted(order) == sorted(variants) for g in tiny.groups(config) for order in g["orders"])
+    started: dict[str, dict[str, str]] = {}
+
+    class Popen:  # what each job would be started with; nothing is started
+        def __init__(self, cmd: list[str], *, env: dict[str, str], **_: Any) -> None:
+            started[cmd[cmd.index("--variant") + 1]] = env
+
+    monkeypatch.setattr(tiny.subprocess, "Popen", Popen)
+    monkeypatch.delenv(tiny.RECORDER_SIZE_ENV, raising=False)
+    runner = object.__new__(tiny.Runner)
+    runner.config, runner.tmp, runner.address = config, tmp_path, "127.0.0.1:1"
+    for variant in variants:
+        runner.launch(f"r0/nolog/{variant}", variant, "nolog")
+    assert started["stock_recorder"][tiny.RECORDER_SIZE_ENV] == str(TRACE_ENTRIES)
+    assert not [v for v in ("stock", "safe", "safe_bare") if tiny.RECORDER_SIZE_ENV in started[v]]
+
+    base = [f for f in fits(safe=(1.04, 1.0)) if f["variant"] != "raw"]
+    extra = []
+    for fit in base:  # safe_bare and stock_recorder as fast as stock: safe's 4% is its background work's
+        if fit["variant"] == "stock":
+            extra += [dict(fit, variant="safe_bare"), dict(fit, variant="stock_recorder")]
+    analysis = tiny.analyse({"fits": base + extra})
+    assert by(analysis, "ratios", "nolog", "safe / safe_bare")["step_mean_s"]["of_medians"] == pytest.approx(1.04)
+    assert by(analysis, "ratios", "nolog", "safe / stock_recorder")["step_mean_s"]["of_medians"] == pytest.approx(1.04)
+    assert by(analysis, "ratios", "nolog", "stock_recorder / stock")["step_mean_s"]["of_medians"] == pytest.approx(1.0)
+    text = tiny.markdown(
+        {
+            "mode": "full",
+            "meta": {
+                **dict.fromkeys(("date", "machine", "python", "torch", "lightning", "ddp_strategy", "git"), "-"),
+                "wall_seconds": 1.0,
+                "loadavg_start": [1.0],
+                "loadavg_end": [1.0],
+            },
+            "config": {**config, "bare_kwargs": {"desync_detection": False}},
+            "groups": [{"ready_seconds": 1.0, "chunks_seconds": 1.0, "loadavg": [1.0, 1.0]}],
+            "fits": base + extra,
+        },
+        analysis,
+    )
+    assert "the 4 variants' `torchrun` jobs" in text
+    assert "The variant without background work: `SafeDDPStrategy(**{'desync_detection': False})`." in text
+    assert "| nolog | Lightning DDPStrategy(), torch's Flight Recorder on |" in text

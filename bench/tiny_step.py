@@ -422,6 +422,10 @@ def worker(args: argparse.Namespace) -> None:
         if variant == "safe":
             strategy = SafeDDPStrategy(**safe_kwargs)
         elif variant == "safe_bare":
+            if config.get("bare_unpinned"):  # diagnosis: gloo's worker threads left without a kept thread state
+                import ddp_strategy.fork_safety
+
+                ddp_strategy.fork_safety.affected = lambda python=None: False  # type: ignore[assignment]
             strategy = SafeDDPStrategy(**config.get("bare_kwargs", BARE_KWARGS))
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -648,7 +652,8 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}."
         + (f" The safe variant: `SafeDDPStrategy(**{config['safe_kwargs']!r})`." if config.get("safe_kwargs") else "")
         + (
-            f" The variant without background work: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`."
+            f" The variant without background work: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`"
+            + (", gloo's worker threads without a kept Python thread state." if config.get("bare_unpinned") else ".")
             if "safe_bare" in variants_of(config)
             else ""
         )
@@ -754,6 +759,11 @@ def main(argv: list[str] | None = None) -> int:
         type=json.loads,
         help="diagnosis: JSON keyword arguments of the safe_bare variant (default: no background work)",
     )
+    parser.add_argument(
+        "--bare-unpinned",
+        action="store_true",
+        help="diagnosis: the safe_bare variant does not give gloo's worker threads a kept Python thread state",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
     parser.add_argument(
@@ -790,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
         config["variants"] = list(args.variants)
     if args.bare_kwargs is not None:
         config["bare_kwargs"] = args.bare_kwargs
+    if args.bare_unpinned:
+        config["bare_unpinned"] = True
     if args.logs != 1:
         config["logs"] = args.logs
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")

@@ -85,7 +85,7 @@ LABELS = {
     "stock": "Lightning DDPStrategy()",
     "stock_again": "Lightning DDPStrategy(), again (A/A)",
     "safe": "SafeDDPStrategy()",
-    "safe_bare": "SafeDDPStrategy() without background work",
+    "safe_bare": "SafeDDPStrategy(), the safe_bare variant",
     "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder on",
 }
 #: the ``stock_recorder`` variant's environment: torch's Flight Recorder on, at the size SafeDDPStrategy gives it
@@ -652,7 +652,7 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         f"Batch {config['batch_size']} per rank, MLP {SHAPE[0]}-{SHAPE[1]}-{SHAPE[2]}."
         + (f" The safe variant: `SafeDDPStrategy(**{config['safe_kwargs']!r})`." if config.get("safe_kwargs") else "")
         + (
-            f" The variant without background work: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`"
+            f" The safe_bare variant: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`"
             + (", gloo's worker threads without a kept Python thread state." if config.get("bare_unpinned") else ".")
             if "safe_bare" in variants_of(config)
             else ""

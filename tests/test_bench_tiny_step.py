@@ -240,5 +240,5 @@ def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(
         analysis,
     )
     assert "the 4 variants' `torchrun` jobs" in text
-    assert "The variant without background work: `SafeDDPStrategy(**{'desync_detection': False})`." in text
+    assert "The safe_bare variant: `SafeDDPStrategy(**{'desync_detection': False})`." in text
     assert "| nolog | Lightning DDPStrategy(), torch's Flight Recorder on |" in text

@@ -952,35 +952,41 @@ def test_one_read_ab_table_is_the_result_files():
     assert_on("bench/README.md", f"moved by up to {spread * 100:.0f}% between")
 
 
-def test_five_paired_diagnosis_runs_table_is_the_result_files():
+def test_six_paired_diagnosis_runs_table_is_the_result_files():
     """bench/README.md's diagnosis of safe's excess without logging: the table and the figures its text quotes."""
-    section = (ROOT / "bench/README.md").read_text().split("five paired runs (2026-11-29")[1].split("\n## ")[0]
+    section = (ROOT / "bench/README.md").read_text().split("six paired runs (2026-11-29")[1].split("\n## ")[0]
     runs = {
-        "aa-no-background": ("safe / stock", "stock_again / stock"),
-        "bare": ("safe / stock", "safe_bare / stock", "safe / safe_bare", "stock_again / stock"),
-        "bare-no-desync": ("safe / stock", "safe_bare / stock", "safe / safe_bare"),
-        "recorder-off": ("safe / stock", "safe_bare / stock", "safe / safe_bare"),
-        "recorder": ("safe / stock", "stock_recorder / stock", "safe / stock_recorder", "safe / safe_bare"),
+        ("aa-no-background", "938748a"): ("safe / stock", "stock_again / stock"),
+        ("bare", "938748a"): ("safe / stock", "safe_bare / stock", "safe / safe_bare", "stock_again / stock"),
+        ("bare-no-desync", "938748a"): ("safe / stock", "safe_bare / stock", "safe / safe_bare"),
+        ("recorder-off", "938748a"): ("safe / stock", "safe_bare / stock", "safe / safe_bare"),
+        ("recorder", "938748a"): (
+            "safe / stock",
+            "stock_recorder / stock",
+            "safe / stock_recorder",
+            "safe / safe_bare",
+        ),
+        ("bare-unpinned", "d283005"): ("safe / stock_recorder", "safe / safe_bare"),
     }
     ratio_of: dict[tuple[str, str, str], dict[str, Any]] = {}
-    ratio_of_rows: dict[tuple[str, str], float] = {}  # safe / safe_bare, no logging: CPU ratios per run
-    for run, ratios in runs.items():
-        data = result(f"tiny_step-intel-{run}-938748a")
-        assert data["meta"]["git"] == "commit 938748a"
+    cpu_of: dict[tuple[str, str], float] = {}  # safe / safe_bare, no logging: CPU ratios per run
+    for (run, commit), ratios in runs.items():
+        data = result(f"tiny_step-intel-{run}-{commit}")
+        assert data["meta"]["git"] == f"commit {commit}"
         rows = {(r["mode"], r["ratio"]): r for r in data["analysis"]["ratios"]}
         for name in ratios:
             cells = [f"`{run}`", name]
             for mode in ("nolog", "sync_dist"):
                 mean = rows[(mode, name)]["step_mean_s"]
-                paired = mean["paired"]
-                cells += [f"{mean['of_medians']:.3f}", "{median:.3f} [{min:.3f}, {max:.3f}]".format(**paired)]
+                cells += [f"{mean['of_medians']:.3f}", "{median:.3f} [{min:.3f}, {max:.3f}]".format(**mean["paired"])]
                 ratio_of[(run, name, mode)] = mean
             nolog = rows[("nolog", name)]
             cells += [f"{nolog[k]['of_medians']:.3f}" for k in ("cpu_step_s", "process_cpu_step_s")]
             if name == "safe / safe_bare":
-                ratio_of_rows.update({(run, k): nolog[k]["of_medians"] for k in ("cpu_step_s", "process_cpu_step_s")})
+                cpu_of.update({(run, k): nolog[k]["of_medians"] for k in ("cpu_step_s", "process_cpu_step_s")})
             assert f"| {' | '.join(cells)} |" in section, cells
     assert result("tiny_step-intel-recorder-off-938748a")["meta"]["environment"] == {"TORCH_FR_BUFFER_SIZE": "0"}
+    assert result("tiny_step-intel-bare-unpinned-d283005")["config"]["bare_unpinned"] is True
 
     def of(run: str, name: str, mode: str = "nolog") -> str:
         return f"{ratio_of[(run, name, mode)]['of_medians']:.3f}"
@@ -991,27 +997,42 @@ def test_five_paired_diagnosis_runs_table_is_the_result_files():
     text = " ".join(section.split())
     recorder = ("recorder", "stock_recorder / stock")
     assert f"{of(*recorder)} without logging and {of(*recorder, 'sync_dist')} with a `sync_dist` log" in text
-    quoted = f"{of('bare-no-desync', 'safe / safe_bare')} and {of('recorder', 'safe / safe_bare')} (paired medians"
-    assert quoted in text
-    assert f"{paired('bare-no-desync', 'safe / safe_bare')} and {paired('recorder', 'safe / safe_bare')})" in text
-    assert ratio_of[("recorder", "safe / stock_recorder", "nolog")]["paired"]["min"] > 1  # "in all 10 rounds"
-    assert f"{of('recorder', 'safe / stock_recorder')}, longer in all 10 rounds" in text
-    assert f"is {of('recorder-off', 'safe / safe_bare')}, and without" in text
-    assert f"safe against stock is {of('aa-no-background', 'safe / stock')} (`aa-no-background`)" in text
-    on = sorted(of(run, "safe / stock") for run in ("bare", "bare-no-desync", "recorder"))
-    assert f"safe against stock is {on[0]} to {on[-1]} in the three runs" in text
-    sync = sorted(of(run, "safe / stock", "sync_dist") for run in runs)
-    assert f"every run ({sync[0]} to {sync[-1]})" in text
+    bare, no_desync = ("bare", "safe / stock"), ("bare-no-desync", "safe / stock")
+    assert f"{of(*bare)} and {of('bare', 'safe / safe_bare')} (`bare`)" in text
+    assert f"{of(*no_desync)} and {of('bare-no-desync', 'safe / safe_bare')} (`bare-no-desync`; paired medians" in text
+    assert f"medians {paired(*no_desync)} and {paired('bare-no-desync', 'safe / safe_bare')})" in text
+    by_recorder = [of("recorder", n) for n in ("safe / stock", "safe / stock_recorder", "safe / safe_bare")]
+    assert "{}, {} and {} (`recorder`;".format(*by_recorder) in text
+    assert ratio_of[("recorder", "safe / stock_recorder", "nolog")]["paired"]["min"] > 1  # "longer in all 10 rounds"
+    assert f"but {of('bare-unpinned', 'safe / stock_recorder')} against stock with the recorder on" in text
+    assert f"{of('aa-no-background', 'safe / stock')} against stock (`aa-no-background`)" in text
+    off = (of("recorder-off", "safe / stock"), of("recorder-off", "safe / safe_bare"))
+    assert "{} against stock and {} against `safe_bare` (`recorder-off`)".format(*off) in text
+    spread = sorted(of(run, "safe / stock_recorder") for run in ("recorder", "bare-unpinned"))
+    assert f"({spread[0]} to {spread[1]} for safe against stock with the recorder)" in text
     for key, quoted in (("cpu_step_s", "safe's is {} to {} of"), ("process_cpu_step_s", "(process CPU {} to {} of")):
-        values = sorted(f"{ratio_of_rows[(run, key)]:.3f}" for run in ("bare", "bare-no-desync", "recorder"))
+        values = sorted(f"{cpu_of[(run, key)]:.3f}" for run in ("bare", "bare-no-desync", "recorder"))
         assert quoted.format(values[0], values[-1]) in text, key
-    chunks = {}
+    unpinned = ratio_of[("bare-unpinned", "safe / safe_bare", "nolog")]
+    assert (
+        f"{unpinned['of_medians']:.3f} (paired median {{median:.3f}} [{{min:.3f}}, {{max:.3f}}])".format(
+            **unpinned["paired"]
+        )
+        in text
+    )
+    sync = sorted(of(run, "safe / stock", "sync_dist") for (run, _), ratios in runs.items() if "safe / stock" in ratios)
+    assert f"every run ({sync[0]} to {sync[-1]}; {of('bare-unpinned', 'safe / stock_recorder', 'sync_dist')}" in text
+    defaults = sorted(of(run, "safe / stock") for run in ("bare", "bare-no-desync", "recorder"))
+    assert f"have stock ({defaults[0]} to {defaults[-1]})" in text
+    for run in ("aa-no-background", "recorder-off"):
+        assert all(ratio_of[(run, "safe / stock", m)]["of_medians"] <= 1.02 for m in ("nolog", "sync_dist"))
+    chunks: dict[str, list[float]] = {}
     for fit in result("tiny_step-intel-bare-no-desync-938748a")["fits"]:
         if fit["mode"] == "nolog":
             chunks.setdefault(fit["variant"], []).extend(fit["ranks"][0]["chunk_means_us"])
-    safe, bare = (sorted(chunks[v]) for v in ("safe", "safe_bare"))
-    assert f"(10th percentile {safe[len(safe) // 10]:.0f} against {bare[len(bare) // 10]:.0f} us" in text
-    assert f"median {safe[len(safe) // 2]:.0f} against {bare[len(bare) // 2]:.0f})" in text
+    safe, plain = (sorted(chunks[v]) for v in ("safe", "safe_bare"))
+    assert f"(10th percentile {safe[len(safe) // 10]:.0f} against {plain[len(plain) // 10]:.0f} us" in text
+    assert f"median {safe[len(safe) // 2]:.0f} against {plain[len(plain) // 2]:.0f})" in text
     own = sorted(
         result(f"tiny_step-intel-{run}-938748a")["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"]
         for run in ("bare", "bare-no-desync", "recorder")

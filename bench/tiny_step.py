@@ -22,10 +22,10 @@ How it is run: every fit has its own pair of processes, started by ``torchrun --
 each, rank r pinned to core r as in ``bench/suite.py``; ``--no-pin`` leaves placement to the scheduler), so each
 strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's
 Flight Recorder on for it; in a shared process every later fit would inherit that, or ``safe`` would lose it). A
-*round* starts, per logging mode (modes in alternating order), the three variants' jobs at once; once every rank is
-at its first step, a baton (keys in a ``TCPStore`` this script hosts) lets one job at a time train a *chunk* of
-steps while the other two wait at a step boundary, in a new seeded order at every pass: an untimed warm-up chunk,
-then ``chunks`` timed chunks of ``chunk`` steps each. So the three fits of a round are measured in alternating
+*round* starts, per logging mode (modes in alternating order), the variants' jobs at once (three by default); once
+every rank is at its first step, a baton (keys in a ``TCPStore`` this script hosts) lets one job at a time train a
+*chunk* of steps while the others wait at a step boundary, in a new seeded order at every pass: an untimed warm-up
+chunk, then ``chunks`` timed chunks of ``chunk`` steps each. So the fits of a round are measured in alternating
 slices a fraction of a second long, and see the same machine load, which on a shared machine changes from second
 to second; the process launches, imports and set-ups are never inside a measurement. ``--rounds`` rounds (default
 10), each with fresh processes.
@@ -201,7 +201,7 @@ class Runner:
             self.wait_keys(keys, jobs, time.monotonic() + self.timeout)
 
     def run_group(self, group: dict[str, Any], log: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Start the group's three jobs, hand out the chunks; return the group's record and each fit's ranks."""
+        """Start the group's jobs (one per variant), hand out the chunks; return its record and each fit's ranks."""
         r, mode = group["round"], group["mode"]
         variants = variants_of(self.config)
         prefixes = {v: f"r{r}/{mode}/{v}" for v in variants}

@@ -1038,3 +1038,27 @@ def test_six_paired_diagnosis_runs_table_is_the_result_files():
         for run in ("bare", "bare-no-desync", "recorder")
     )
     assert f"{own[0] * 1e6:.1f} to {own[-1] * 1e6:.1f} us of CPU per step without logging" in text
+
+
+def test_seventh_diagnosis_run_without_heartbeat_table_is_the_result_file():
+    """bench/README.md's seventh tiny-step run (the recorder on, no heartbeat or monitor): its table and figures."""
+    section = (ROOT / "bench/README.md").read_text().split("#### A seventh run")[1].split("\n## ")[0]
+    data = result("tiny_step-intel-no-heartbeat-4f2c0d9")
+    assert data["meta"]["git"] == "commit 4f2c0d9"
+    assert data["config"]["bare_kwargs"] == {"heartbeat_interval": 0}
+    rows = {(r["mode"], r["ratio"]): r for r in data["analysis"]["ratios"]}
+    for name in ("safe / stock_recorder", "safe / safe_bare"):
+        cells = ["`no-heartbeat`", name]
+        for mode in ("nolog", "sync_dist"):
+            mean = rows[(mode, name)]["step_mean_s"]
+            cells += [f"{mean['of_medians']:.3f}", "{median:.3f} [{min:.3f}, {max:.3f}]".format(**mean["paired"])]
+        nolog = rows[("nolog", name)]
+        cells += [f"{nolog[k]['of_medians']:.3f}" for k in ("cpu_step_s", "process_cpu_step_s")]
+        assert f"| {' | '.join(cells)} |" in section, cells
+    text = " ".join(section.split())
+    recorder, bare = (rows[("nolog", n)]["step_mean_s"] for n in ("safe / stock_recorder", "safe / safe_bare"))
+    unpinned = result("tiny_step-intel-bare-unpinned-d283005")["analysis"]["ratios"]
+    (earlier,) = [r for r in unpinned if r["mode"] == "nolog" and r["ratio"] == "safe / stock_recorder"]
+    assert f"is {recorder['of_medians']:.3f} without logging" in text
+    assert f"as in `bare-unpinned` ({earlier['step_mean_s']['of_medians']:.3f})" in text
+    assert f"monitor {bare['of_medians']:.3f} (paired median {bare['paired']['median']:.3f})" in text

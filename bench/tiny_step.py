@@ -75,7 +75,7 @@ from workloads.tiny import SHAPE, network, tiny_module  # noqa: E402  (the model
 VARIANTS = ("raw", "stock", "safe")
 #: ``--aa``: a second stock fit takes the raw loop's place; its ratio to stock is the method's own noise (A/A)
 AA_VARIANTS = ("stock_again", "stock", "safe")
-#: ``--variants stock_again stock safe safe_bare``: the strategy with and without its background work, paired
+#: every variant ``--variants`` may name (e.g. ``stock stock_recorder safe safe_bare``: diagnosis, paired)
 ALL_VARIANTS = ("raw", "stock_again", "stock", "stock_recorder", "safe", "safe_bare")
 #: the ``safe_bare`` variant's keyword arguments: no heartbeat thread, no desync monitor, no preemption watch
 BARE_KWARGS = {"heartbeat_interval": 0, "desync_detection": False, "preemption_signals": None}
@@ -299,8 +299,13 @@ def own_threads_cpu() -> float:
     for thread in threading.enumerate():
         if thread.name.startswith("ddp_strategy") and thread.native_id is not None:
             with contextlib.suppress(OSError):  # it ended meanwhile
-                total += int(Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()[0]) / 1e9
+                total += task_cpu(Path(f"/proc/self/task/{thread.native_id}"))
     return total
+
+
+def task_cpu(task: Path) -> float:
+    """CPU seconds of one thread (``/proc/self/task/<tid>``), from its ``schedstat``."""
+    return int((task / "schedstat").read_text().split()[0]) / 1e9
 
 
 def threads_cpu_by_name() -> dict[str, float]:
@@ -310,7 +315,7 @@ def threads_cpu_by_name() -> dict[str, float]:
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):  # it ended meanwhile
             name = (task / "comm").read_text().strip()
-            total[name] = total.get(name, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e9
+            total[name] = total.get(name, 0.0) + task_cpu(task)
     return total
 
 

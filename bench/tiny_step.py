@@ -37,7 +37,9 @@ time is the interval to the start of the next step: data fetch, forward, backwar
 optimizer step, every hook. The first step of each chunk (the two ranks resuming together, caches refilling) is not
 timed. Per fit: the mean over its timed steps (total / steps), the median step, CPU and process CPU per step; and
 the CPU of each of the process's threads by OS name over the timed chunks' window, per second of it
-(``threads_cpu_per_s``: gloo's threads name themselves).
+(``threads_cpu_per_s``: gloo's threads name themselves); at each timed chunk's ends (outside the timed steps) the
+training thread's scheduler counts (``thread_sched_counts``: time runnable but waiting for its core, context
+switches), which split its mean step into CPU, waiting for a core, and asleep (``step_breakdown``).
 
 Report: per (mode, variant) the median over rounds [min, max] of rank 0's figures (and rank 1's mean); per mode the
 ratios safe/stock, stock/raw and safe/raw as the ratio of the medians and the per-round (paired) ratios' median
@@ -308,6 +310,16 @@ def task_cpu(task: Path) -> float:
     return int((task / "schedstat").read_text().split()[0]) / 1e9
 
 
+def thread_sched_counts() -> tuple[int, int, int, int]:
+    """The calling thread's scheduler counts from ``/proc/thread-self``: nanoseconds runnable but waiting for a core
+    (``schedstat``'s second field), time slices run, voluntary and involuntary context switches (``status``)."""
+    _, waited, slices = (int(v) for v in Path("/proc/thread-self/schedstat").read_text().split()[:3])
+    status = dict(
+        line.split(":", 1) for line in Path("/proc/thread-self/status").read_text().splitlines() if ":" in line
+    )
+    return waited, slices, int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"])
+
+
 def threads_cpu_by_name() -> dict[str, float]:
     """CPU seconds of every thread of this process by its OS name (``comm``; torch's and gloo's threads name
     themselves, Python's threads are ``python``), from ``/proc``: which threads a variant's process CPU goes to."""
@@ -345,6 +357,7 @@ def worker(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     baton = Baton(args.baton, args.prefix, rank)
     chunk_at = {step: c for c, step in enumerate(chunk_starts(config))}
+    timed_from = {step + 1 for step in chunk_starts(config)[1:-1]}  # each timed chunk's first timed step
     steps = total_steps(config)
 
     class Clock:
@@ -360,13 +373,21 @@ def worker(args: argparse.Namespace) -> None:
             self.threads_at: dict[str, float] = {}
             self.threads_cpu_per_s: dict[str, float] = {}
             self.fit_to_first_step: float | None = None
+            self.sched_at: tuple[int, int, int, int] | None = None
+            self.sched_total = [0, 0, 0, 0]  # over the timed steps: see thread_sched_counts
 
         def step_start(self) -> None:
+            if self.index in timed_from:  # read outside the timed steps: here in the chunk's untimed first step
+                self.sched_at = thread_sched_counts()
             now = (time.perf_counter(), time.thread_time(), time.process_time())
             if self.previous is None:
                 self.fit_to_first_step = now[0] - fit_start
             else:
                 self.steps.append((self.index - 1, *(a - b for a, b in zip(now, self.previous, strict=True))))
+            if self.index in chunk_at and self.sched_at is not None:  # a timed chunk's end, before the baton
+                counts = thread_sched_counts()
+                self.sched_total = [t + b - a for t, a, b in zip(self.sched_total, self.sched_at, counts, strict=True)]
+                self.sched_at = None
             if self.index in chunk_at:
                 baton.turn(chunk_at[self.index])
                 now = (time.perf_counter(), time.thread_time(), time.process_time())
@@ -465,6 +486,14 @@ def worker(args: argparse.Namespace) -> None:
         "threads_cpu_per_s": clock.threads_cpu_per_s,
         **fit_figures(clock.steps, config),
     }
+    timed = payload["timed_steps"]
+    waited, slices, voluntary, involuntary = clock.sched_total
+    payload["sched_per_step"] = {
+        "runqueue_wait_s": waited / 1e9 / timed,
+        "timeslices": slices / timed,
+        "voluntary_switches": voluntary / timed,
+        "involuntary_switches": involuntary / timed,
+    }
     out = Path(f"{args.out}.rank{rank}.json")
     out.with_suffix(".tmp").write_text(json.dumps(payload))
     out.with_suffix(".tmp").replace(out)
@@ -486,6 +515,7 @@ def cells(fits: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, An
         rank0, rank1 = fit["ranks"][0], fit["ranks"][1]
         record = {"round": fit["round"], **{k: rank0[k] for k in FIGURES}, "rank1_step_mean_s": rank1["step_mean_s"]}
         record["own_threads_cpu_per_s"] = rank0.get("own_threads_cpu_per_s")  # None in runs before it was measured
+        record["sched_per_step"] = rank0.get("sched_per_step")  # likewise
         out.setdefault((fit["mode"], fit["variant"]), []).append(record)
     return out
 
@@ -608,6 +638,43 @@ def own_cpu_per_step(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> di
     return out
 
 
+def step_breakdown(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (mode, variant), where rank 0's training thread spends a step: running (its CPU), runnable but waiting
+    for its core (``runqueue_wait_s``), and asleep (the rest: waiting for gloo's peer, for the GIL, for a lock);
+    its context switches per step. Median [min, max] over rounds; against stock, the paired difference of each."""
+    rows = []
+    for mode in MODES:
+        stock = {r["round"]: r for r in by_cell.get((mode, "stock"), []) if r.get("sched_per_step")}
+        for variant in ALL_VARIANTS:
+            records = [r for r in by_cell.get((mode, variant), []) if r.get("sched_per_step")]
+            if not records:
+                continue
+            parts = {r["round"]: breakdown_parts(r) for r in records}
+            row: dict[str, Any] = {"mode": mode, "variant": variant}
+            for name in BREAKDOWN:
+                row[name] = spread([p[name] for p in parts.values()])
+                pairs = [p[name] - breakdown_parts(stock[n])[name] for n, p in parts.items() if n in stock]
+                row[f"{name}_added"] = spread(pairs) if pairs and variant != "stock" else None
+            rows.append(row)
+    return rows
+
+
+BREAKDOWN = ("step_mean_s", "cpu_step_s", "runqueue_wait_s", "asleep_s", "voluntary_switches", "involuntary_switches")
+
+
+def breakdown_parts(record: dict[str, Any]) -> dict[str, float]:
+    """One fit's step by part (``step_breakdown``): the mean step = CPU + waiting for a core + asleep."""
+    sched = record["sched_per_step"]
+    return {
+        "step_mean_s": record["step_mean_s"],
+        "cpu_step_s": record["cpu_step_s"],
+        "runqueue_wait_s": sched["runqueue_wait_s"],
+        "asleep_s": record["step_mean_s"] - record["cpu_step_s"] - sched["runqueue_wait_s"],
+        "voluntary_switches": sched["voluntary_switches"],
+        "involuntary_switches": sched["involuntary_switches"],
+    }
+
+
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
     by_cell = cells(result["fits"])
     ratio_rows = ratios(by_cell)
@@ -618,6 +685,7 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
         "targets": targets(ratio_rows),
         "per_sync_dist_value": per_value(by_cell, logs),
         "own_cpu_per_step": own_cpu_per_step(by_cell),
+        "step_breakdown": step_breakdown(by_cell),
     }
 
 
@@ -727,6 +795,31 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
             lines.append(
                 f"| {mode} | {us_spread(o['total_s'])} | {us_spread(o['training_thread_added_s'])} | "
                 f"{us_spread(o['own_threads_s'])} |"
+            )
+    breakdown = analysis.get("step_breakdown") or []
+    if breakdown:
+        lines += [
+            "",
+            "Where rank 0's training thread spends a step: *CPU* running, *waiting for a core* runnable but not "
+            "running (its core busy with another thread), *asleep* the rest (waiting for gloo's peer, for the GIL, "
+            "for a lock); its context switches per step; from `/proc/thread-self` at each timed chunk's ends. Cells: "
+            "median over rounds [min, max], us; *vs stock*: the paired difference's median (same round).",
+            "",
+            "| mode | variant | mean (us) | CPU (us) | waiting for a core (us) | asleep (us) | voluntary switches "
+            "| involuntary switches | vs stock: mean | CPU | waiting for a core | asleep | voluntary switches |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for b in breakdown:
+            added = [b[f"{n}_added"] for n in ("step_mean_s", "cpu_step_s", "runqueue_wait_s", "asleep_s")]
+            switches = b["voluntary_switches_added"]
+            lines.append(
+                f"| {b['mode']} | {LABELS[b['variant']]} | "
+                + " | ".join(us_spread(b[n]) for n in BREAKDOWN[:4])
+                + " | "
+                + " | ".join(f"{b[n]['median']:.2f} [{b[n]['min']:.2f}, {b[n]['max']:.2f}]" for n in BREAKDOWN[4:])
+                + " | "
+                + " | ".join(f"{a['median'] * 1e6:+.0f}" if a else "-" for a in added)
+                + (f" | {switches['median']:+.2f} |" if switches else " | - |")
             )
     value = analysis.get("per_sync_dist_value")
     if value:

@@ -242,3 +242,57 @@ def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(
     assert "the 4 variants' `torchrun` jobs" in text
     assert "The safe_bare variant: `SafeDDPStrategy(**{'desync_detection': False})`." in text
     assert "| nolog | Lightning DDPStrategy(), torch's Flight Recorder on |" in text
+
+
+def test_thread_sched_counts_read_this_threads_scheduler_counts():
+    """Waiting for a core, time slices and both kinds of context switch, from /proc/thread-self: a sleep adds a
+    voluntary switch; the counters only grow."""
+    import time
+
+    before = tiny.thread_sched_counts()
+    time.sleep(0.01)
+    after = tiny.thread_sched_counts()
+    assert all(isinstance(v, int) and v >= 0 for v in before)
+    assert after[2] >= before[2] + 1  # the sleep: at least one voluntary switch
+    assert all(b >= a for a, b in zip(before, after, strict=True))
+
+
+def test_step_breakdown_splits_the_mean_step_into_cpu_waiting_for_a_core_and_asleep_and_pairs_it_with_stock():
+    """safe: 5% longer steps, all of it asleep (250-300 us by the round's load), 0.5 more voluntary switches a step."""
+    out = []
+    for fit in fits(safe=(1.05, 1.0)):
+        rank = fit["ranks"][0]
+        sched = {
+            "runqueue_wait_s": 0.0002,
+            "timeslices": 3.0,
+            "voluntary_switches": 2.5 if fit["variant"] == "safe" else 2.0,
+            "involuntary_switches": 0.1,
+        }
+        out.append({**fit, "ranks": [{**rank, "sched_per_step": sched}, fit["ranks"][1]]})
+    analysis = tiny.analyse({"fits": out})
+    rows = {(r["mode"], r["variant"]): r for r in analysis["step_breakdown"]}
+    stock, safe = rows[("nolog", "stock")], rows[("nolog", "safe")]
+    assert stock["asleep_s"]["median"] == pytest.approx(0.0055 - 0.001 - 0.0002)  # mean - CPU - waiting for a core
+    assert stock["asleep_s_added"] is None  # stock is not paired with itself
+    assert safe["asleep_s_added"] == pytest.approx({"median": 275e-6, "min": 250e-6, "max": 300e-6})
+    assert safe["cpu_step_s_added"]["median"] == pytest.approx(0.0)
+    assert safe["runqueue_wait_s_added"]["median"] == pytest.approx(0.0)
+    assert safe["voluntary_switches_added"]["median"] == pytest.approx(0.5)
+    text = tiny.markdown(
+        {
+            "mode": "full",
+            "meta": {
+                **dict.fromkeys(("date", "machine", "python", "torch", "lightning", "ddp_strategy", "git"), "-"),
+                "wall_seconds": 1.0,
+                "loadavg_start": [1.0],
+                "loadavg_end": [1.0],
+            },
+            "config": tiny.config_for(quick=True, rounds=None),
+            "groups": [{"ready_seconds": 1.0, "chunks_seconds": 1.0, "loadavg": [1.0, 1.0]}],
+            "fits": out,
+        },
+        analysis,
+    )
+    assert "| nolog | SafeDDPStrategy() | 5775 [5250, 6300] | 1000 [1000, 1000] | 200 [200, 200] |" in text
+    assert "| 2.50 [2.50, 2.50] | 0.10 [0.10, 0.10] | +275 | +0 | +0 | +275 | +0.50 |" in text
+    assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["step_breakdown"] == []  # runs before it was measured

@@ -78,6 +78,22 @@ def fits(safe: tuple[float, float], rounds: int = 10) -> list[dict[str, Any]]:
     return out
 
 
+def full_run(config: dict[str, Any], fits: list[dict[str, Any]]) -> dict[str, Any]:
+    """A results record for ``tiny.markdown``: these fits under this configuration, the rest placeholders."""
+    return {
+        "mode": "full",
+        "meta": {
+            **dict.fromkeys(("date", "machine", "python", "torch", "lightning", "ddp_strategy", "git"), "-"),
+            "wall_seconds": 1.0,
+            "loadavg_start": [1.0],
+            "loadavg_end": [1.0],
+        },
+        "config": config,
+        "groups": [{"ready_seconds": 1.0, "chunks_seconds": 1.0, "loadavg": [1.0, 1.0]}],
+        "fits": fits,
+    }
+
+
 def by(analysis: dict[str, Any], key: str, mode: str, name: str) -> dict[str, Any]:
     (row,) = [r for r in analysis[key] if r["mode"] == mode and r.get("ratio", r.get("target", "")).startswith(name)]
     return row
@@ -224,21 +240,7 @@ def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(
     assert by(analysis, "ratios", "nolog", "safe / safe_bare")["step_mean_s"]["of_medians"] == pytest.approx(1.04)
     assert by(analysis, "ratios", "nolog", "safe / stock_recorder")["step_mean_s"]["of_medians"] == pytest.approx(1.04)
     assert by(analysis, "ratios", "nolog", "stock_recorder / stock")["step_mean_s"]["of_medians"] == pytest.approx(1.0)
-    text = tiny.markdown(
-        {
-            "mode": "full",
-            "meta": {
-                **dict.fromkeys(("date", "machine", "python", "torch", "lightning", "ddp_strategy", "git"), "-"),
-                "wall_seconds": 1.0,
-                "loadavg_start": [1.0],
-                "loadavg_end": [1.0],
-            },
-            "config": {**config, "bare_kwargs": {"desync_detection": False}},
-            "groups": [{"ready_seconds": 1.0, "chunks_seconds": 1.0, "loadavg": [1.0, 1.0]}],
-            "fits": base + extra,
-        },
-        analysis,
-    )
+    text = tiny.markdown(full_run({**config, "bare_kwargs": {"desync_detection": False}}, base + extra), analysis)
     assert "the 4 variants' `torchrun` jobs" in text
     assert "The safe_bare variant: `SafeDDPStrategy(**{'desync_detection': False})`." in text
     assert "| nolog | Lightning DDPStrategy(), torch's Flight Recorder on |" in text
@@ -278,21 +280,7 @@ def test_step_breakdown_splits_the_mean_step_into_cpu_waiting_for_a_core_and_asl
     assert safe["cpu_step_s_added"]["median"] == pytest.approx(0.0)
     assert safe["runqueue_wait_s_added"]["median"] == pytest.approx(0.0)
     assert safe["voluntary_switches_added"]["median"] == pytest.approx(0.5)
-    text = tiny.markdown(
-        {
-            "mode": "full",
-            "meta": {
-                **dict.fromkeys(("date", "machine", "python", "torch", "lightning", "ddp_strategy", "git"), "-"),
-                "wall_seconds": 1.0,
-                "loadavg_start": [1.0],
-                "loadavg_end": [1.0],
-            },
-            "config": tiny.config_for(quick=True, rounds=None),
-            "groups": [{"ready_seconds": 1.0, "chunks_seconds": 1.0, "loadavg": [1.0, 1.0]}],
-            "fits": out,
-        },
-        analysis,
-    )
+    text = tiny.markdown(full_run(tiny.config_for(quick=True, rounds=None), out), analysis)
     assert "| nolog | SafeDDPStrategy() | 5775 [5250, 6300] | 1000 [1000, 1000] | 200 [200, 200] |" in text
     assert "| 2.50 [2.50, 2.50] | 0.10 [0.10, 0.10] | +275 | +0 | +0 | +275 | +0.50 |" in text
     assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["step_breakdown"] == []  # runs before it was measured

@@ -3,6 +3,7 @@
     python bench/tiny_step.py              # full run: JSON + Markdown in bench/results/tiny_step.{json,md}
     python bench/tiny_step.py --quick      # smoke run (2 rounds, shorter fits): bench/results/tiny_step-quick.*
     python bench/tiny_step.py --report bench/results/tiny_step.json    # redo the analysis and Markdown of a JSON
+    python bench/tiny_step.py --pool A.json B.json --out OUT   # several runs of one configuration, analysed as one
 
 On a tiny model the step is almost all framework: that is how a fast GPU step looks to the CPU, and where a
 strategy's per-step Python work shows. The model is a 2-layer MLP (32 -> 64 -> 10, cross-entropy, SGD) on small
@@ -689,6 +690,53 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: What a pooled run's parts must agree on: what each fit ran and how it was measured.
+POOLED_CONFIG = ("variants", "warmup", "chunks", "chunk", "batch_size", "logs", "pin_cores", "safe_kwargs")
+
+
+def pooled(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Several runs of one configuration as one result: their rounds side by side (round ``r`` of the ``i``-th run
+    becomes ``"i.r"``, so every fit is still paired with the fits of its own round only).
+
+    Args:
+        runs: (name, results JSON) of each run, in order.
+
+    Raises:
+        ValueError: a run's configuration, safe_bare variant or environment differs from the first run's.
+    """
+    (first_name, first), out_fits, groups_all = runs[0], [], []
+
+    def setting(result: dict[str, Any]) -> tuple[Any, ...]:
+        config = result["config"]
+        bare = config.get("bare_kwargs", BARE_KWARGS) if "safe_bare" in variants_of(config) else None
+        return (
+            *(config.get(name) for name in POOLED_CONFIG),
+            bare,
+            config.get("bare_unpinned", False),
+            result["meta"].get("environment") or {},
+        )
+
+    for index, (name, result) in enumerate(runs):
+        if setting(result) != setting(first):
+            raise ValueError(
+                f"{name} was not run as {first_name} was: {setting(result)} against {setting(first)}; pool only "
+                "runs of one configuration"
+            )
+        out_fits += [{**fit, "round": f"{index + 1}.{fit['round']}"} for fit in result["fits"]]
+        groups_all += result["groups"]
+    return {
+        "mode": "pooled",
+        "pooled_from": [
+            {"run": name, "date": r["meta"]["date"], "git": r["meta"]["git"], "rounds": r["config"]["rounds"]}
+            for name, r in runs
+        ],
+        "meta": first["meta"],
+        "config": {**first["config"], "rounds": sum(r["config"]["rounds"] for _, r in runs)},
+        "groups": groups_all,
+        "fits": out_fits,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- report
 def us(value: float) -> str:
     return f"{value * 1e6:.0f}"
@@ -709,12 +757,23 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
     loads = [load for g in result["groups"] for load in g["loadavg"]]
     timed = config["chunks"] * (config["chunk"] - 1)
     pinning = "rank r pinned to core r" if config.get("pin_cores", True) else "not pinned"
-    lines = [
-        f"Measured {meta['date']} ({result['mode']} mode, {meta['wall_seconds']:.0f} s) on {meta['machine']}; "
+    sources = result.get("pooled_from")
+    header = (
+        f"Pooled: the {len(sources)} runs "
+        + ", ".join(f"`{s['run']}` ({s['date']}, {s['git']}, {s['rounds']} rounds)" for s in sources)
+        + f" side by side, each round paired within its own run; measured on {meta['machine']}; Python "
+        f"{meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy {meta['ddp_strategy']}; "
+        f"1-minute load average {min(loads):.2f} to {max(loads):.2f} (median {statistics.median(loads):.2f}) at "
+        "the start and end of the groups' timed chunks."
+        if sources
+        else f"Measured {meta['date']} ({result['mode']} mode, {meta['wall_seconds']:.0f} s) on {meta['machine']}; "
         f"Python {meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}, ddp_strategy "
         f"{meta['ddp_strategy']} ({meta['git']}); 1-minute load average {meta['loadavg_start'][0]:.2f} at the start, "
         f"{meta['loadavg_end'][0]:.2f} at the end, {min(loads):.2f} to {max(loads):.2f} (median "
-        f"{statistics.median(loads):.2f}) at the start and end of the groups' timed chunks.",
+        f"{statistics.median(loads):.2f}) at the start and end of the groups' timed chunks."
+    )
+    lines = [
+        header,
         "",
         f"{config['rounds']} rounds; per round and logging mode the {len(variants_of(config))} variants' "
         "`torchrun` jobs (2 ranks each, "
@@ -865,6 +924,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
     parser.add_argument(
+        "--pool", type=Path, nargs="+", help="analyse these results JSONs (one configuration) as one run, into --out"
+    )
+    parser.add_argument(
         "--safe-kwargs",
         type=json.loads,
         default={},
@@ -886,6 +948,14 @@ def main(argv: list[str] | None = None) -> int:
         result["analysis"] = analyse(result)
         args.report.write_text(json.dumps(result, indent=1))
         args.report.with_suffix(".md").write_text(markdown(result, result["analysis"]))
+        return 0
+    if args.pool:
+        if args.out is None:
+            parser.error("--pool needs --out")
+        result = pooled([(path.stem, json.loads(path.read_text())) for path in args.pool])
+        result["analysis"] = analyse(result)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(result, result["analysis"]))
         return 0
     config = config_for(args.quick, args.rounds)
     config.update({name: getattr(args, name) for name in ("chunks", "chunk") if getattr(args, name) is not None})

@@ -284,3 +284,21 @@ def test_step_breakdown_splits_the_mean_step_into_cpu_waiting_for_a_core_and_asl
     assert "| nolog | SafeDDPStrategy() | 5775 [5250, 6300] | 1000 [1000, 1000] | 200 [200, 200] |" in text
     assert "| 2.50 [2.50, 2.50] | 0.10 [0.10, 0.10] | +275 | +0 | +0 | +275 | +0.50 |" in text
     assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["step_breakdown"] == []  # runs before it was measured
+
+
+def test_pooled_runs_keep_each_round_paired_within_its_own_run_and_refuse_other_configurations():
+    """Two runs of one configuration: safe 5% over stock in the first, 1% under in the second; pooled, 20 rounds."""
+    config = tiny.config_for(quick=False, rounds=None)
+    first, second = full_run(config, fits(safe=(1.05, 1.0))), full_run(config, fits(safe=(0.99, 1.0)))
+    for run in (first, second):
+        run["meta"]["git"] = "commit abc"
+    result = tiny.pooled([("one", first), ("two", second)])
+    assert result["config"]["rounds"] == 20 and {f["round"] for f in result["fits"]} >= {"1.0", "2.9"}
+    ratio = by(tiny.analyse(result), "ratios", "nolog", "safe / stock")["step_mean_s"]
+    assert ratio["paired"] == pytest.approx({"median": 1.02, "min": 0.99, "max": 1.05})  # never across runs
+    text = tiny.markdown(result, tiny.analyse(result))
+    assert text.startswith("Pooled: the 2 runs `one` (-, commit abc, 10 rounds), `two` (-, commit abc, 10 rounds)")
+    assert "20 rounds; per round" in text
+    other = full_run({**config, "variants": ["stock", "safe", "safe_bare"]}, fits(safe=(1.0, 1.0)))
+    with pytest.raises(ValueError, match="other was not run as one was"):
+        tiny.pooled([("one", first), ("other", other)])

@@ -1062,3 +1062,70 @@ def test_seventh_diagnosis_run_without_heartbeat_table_is_the_result_file():
     assert f"is {recorder['of_medians']:.3f} without logging" in text
     assert f"as in `bare-unpinned` ({earlier['step_mean_s']['of_medians']:.3f})" in text
     assert f"monitor {bare['of_medians']:.3f} (paired median {bare['paired']['median']:.3f})" in text
+
+
+def _ratio_row(data: dict[str, Any], mode: str, name: str) -> dict[str, Any]:
+    (row,) = [r for r in data["analysis"]["ratios"] if r["mode"] == mode and r["ratio"] == name]
+    return row
+
+
+POOLED_RUNS = {
+    "`bare-no-desync` (938748a)": "tiny_step-intel-bare-no-desync-938748a",
+    "`split-1`": "tiny_step-intel-split-1-7eee835",
+    "`split-2`": "tiny_step-intel-split-2-7eee835",
+    "`split-3`": "tiny_step-intel-split-3-7eee835",
+    "pooled, 40 rounds": "tiny_step-intel-pooled-4-runs-938748a-code",
+}
+
+
+def test_four_pooled_runs_table_breakdown_and_figures_are_the_result_files():
+    """bench/README.md's four runs of one configuration, their pool, and the pooled step breakdown."""
+    section = (ROOT / "bench/README.md").read_text().split("### Four runs of one configuration")[1].split("\n## ")[0]
+    for label, name in POOLED_RUNS.items():
+        data = result(name)
+        nolog, synced = (_ratio_row(data, m, "safe / stock")["step_mean_s"] for m in ("nolog", "sync_dist"))
+        bare, against_bare = (
+            _ratio_row(data, "nolog", n)["step_mean_s"] for n in ("safe_bare / stock", "safe / safe_bare")
+        )
+        low, high = nolog["paired_interval"]
+        cells = [
+            label,
+            f"{nolog['of_medians']:.3f}",
+            "{median:.3f} [{min:.3f}, {max:.3f}]".format(**nolog["paired"]),
+            f"[{low:.3f}, {high:.3f}]",
+            f"{synced['of_medians']:.3f}",
+            f"{bare['of_medians']:.3f}",
+            f"{against_bare['of_medians']:.3f}",
+        ]
+        assert f"| {' | '.join(cells)} |" in section, cells
+    pool = result(POOLED_RUNS["pooled, 40 rounds"])
+    assert [s["run"] for s in pool["pooled_from"]] == list(POOLED_RUNS.values())[:-1]
+    assert pool["config"]["rounds"] == 40
+    breakdown = {b["variant"]: b for b in pool["analysis"]["step_breakdown"] if b["mode"] == "nolog"}
+    parts = ("step_mean_s", "cpu_step_s", "runqueue_wait_s", "asleep_s")
+    for variant, b in breakdown.items():
+        cells = [
+            f"`{variant}`",
+            *(f"{b[n]['median'] * 1e6:.0f}" for n in parts),
+            f"{b['voluntary_switches']['median']:.2f}",
+        ]
+        cells += [f"{b[f'{n}_added']['median'] * 1e6:+.0f}" if b[f"{n}_added"] else "-" for n in parts]
+        assert f"| {' | '.join(cells)} |" in section, cells
+    text = " ".join(section.split())
+    nolog = _ratio_row(pool, "nolog", "safe / stock")
+    low, high = nolog["step_mean_s"]["paired_interval"]
+    assert low > 1.02  # the pool's claim: missed by more than its 90% interval
+    assert f"Pooled over 40 rounds: {nolog['step_mean_s']['of_medians']:.3f}, paired median" in text
+    assert f"with a 90% interval of [{low:.3f}, {high:.3f}], above 1.02" in text
+    bare = _ratio_row(pool, "nolog", "safe_bare / stock")["step_mean_s"]
+    assert f"is {bare['of_medians']:.3f} against stock (paired median {bare['paired']['median']:.3f})" in text
+    against = _ratio_row(pool, "nolog", "safe / safe_bare")
+    assert f"(CPU ratio {against['cpu_step_s']['of_medians']:.3f} pooled)" in text
+    safe, bare_b = breakdown["safe"], breakdown["safe_bare"]
+    assert safe["voluntary_switches"]["median"] == pytest.approx(bare_b["voluntary_switches"]["median"], abs=0.005)
+    asleep = (safe["asleep_s"]["median"] - bare_b["asleep_s"]["median"]) * 1e6
+    assert 60 <= asleep <= 80 and "about 70 us more per step" in text
+    assert f"medians {safe['asleep_s']['median'] * 1e6:.0f} against {bare_b['asleep_s']['median'] * 1e6:.0f}" in text
+    assert f"(paired medians {safe['cpu_step_s_added']['median'] * 1e6:+.0f} and" in text
+    synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]
+    assert f"safe is {synced['of_medians']:.3f} pooled" in text

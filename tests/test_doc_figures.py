@@ -1129,3 +1129,32 @@ def test_four_pooled_runs_table_breakdown_and_figures_are_the_result_files():
     assert f"(paired medians {safe['cpu_step_s_added']['median'] * 1e6:+.0f} and" in text
     synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]
     assert f"safe is {synced['of_medians']:.3f} pooled" in text
+
+
+def test_step_pauses_remeasured_on_the_afternoon_of_2026_11_29_are_the_result_file():
+    """bench/README.md's point 2 re-measure at 7eee835: stretches over 1 ms, the longest's sites, the step-hook gaps."""
+    section = (
+        (ROOT / "bench/README.md").read_text().split("#### Re-measured 2026-11-29, afternoon")[1].split("\n## ")[0]
+    )
+    text = " ".join(section.split())
+    fits = result("step_pauses-intel-7eee835")["fits"]
+    safe = [f for f in fits if f["variant"] == "safe"]
+    stock = [f for f in fits if f["variant"] == "stock"]
+    holds = [f["background_holds"] for f in safe]
+    assert [f["round"] for f in safe] == [1, 2]
+    counts = " and ".join(f"{h['over_1ms']} of {h['stretches']}" for h in holds)
+    assert f"{counts} background stretches over 1 ms" in text
+    assert all(h["longest"]["from"] == "threading.py:331" and h["longest"]["to"] == "heartbeat.py:192" for h in holds)
+    longest = " and ".join(f"{h['longest']['cpu_s'] * 1e3:.3f}" for h in holds)
+    assert f"the longest, {longest} ms, run from the heartbeat thread's wake-up" in text
+    audit = [s["cpu_s"] for h in holds for s in h["longest_by_sites"] if s["from"] == s["to"] == "desync_audit.py:54"]
+    assert f"dump and its settling {min(audit) * 1e3:.2f}-{max(audit) * 1e3:.2f} ms" in text
+    collection = safe[1]["garbage_collections"]["longest"]
+    assert collection["thread"] == "ddp_strategy-heartbeat-rank0" and collection["generation"] == 0
+    assert f"{collection['wall_s'] * 1e3:.1f} ms (generation 0), ran on the heartbeat thread in round 2" in text
+
+    def gaps(runs: list[dict[str, Any]], key: str) -> str:
+        return " and ".join(f"{f['hook_gaps'][key] * 1e3:.2f}" for f in sorted(runs, key=lambda f: f["round"]))
+
+    assert f"99.9th percentile {gaps(safe, 'p999_s')} ms against stock's {gaps(stock, 'p999_s')}" in text
+    assert f"the longest {gaps(safe, 'max_s')} ms against {gaps(stock, 'max_s')}" in text

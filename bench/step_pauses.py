@@ -16,7 +16,8 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   single C call in one (its name), are reported, and the longest stretch between each pair of such sites (the
   ``SITES_SHOWN`` longest pairs): which work holds the GIL how long. The profile function sees calls made from
   Python code only: a release inside a C-level callable (a ``functools.partial`` of ``time.sleep``) ends no
-  stretch;
+  stretch. A stretch that ran a garbage collection (``gc.callbacks``, per thread) is counted apart, and each
+  stretch's wall time is kept beside its CPU;
 * **every Flight Recorder dump with stacks** (``collective_trace``): on which thread, its wall and CPU time, the
   first one (the slowest, symbols loaded) included;
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
@@ -158,11 +159,17 @@ HookClock.on_train_batch_start = _batch_start  # type: ignore[method-assign]
 class Holds:
     """The strategy's background threads' GIL-holding stretches, from a profile function on those threads."""
 
-    def __init__(self, event_cost: float) -> None:
+    def __init__(self, event_cost: float, collections_here: Callable[[], int] = lambda: 0) -> None:
         self.event_cost = event_cost  # the profile function's own CPU per event
+        #: how many garbage collections the calling thread has run: a stretch that ran one is counted apart
+        self.collections_here = collections_here
         self.longest: dict[str, Any] = {"cpu_s": 0.0}
+        #: the longest stretch that ran no garbage collection
+        self.longest_without_collection: dict[str, Any] = {"cpu_s": 0.0}
         self.stretches = 0
         self.over_1ms = 0
+        self.over_1ms_with_collection = 0
+        self.with_collection = 0  # stretches that ran a garbage collection, of any length
         self.longest_c_call: dict[str, Any] = {"cpu_s": 0.0}
         #: the longest stretch between each pair of sites (from, to) that let the GIL go: which work holds it how long
         self.by_sites: dict[tuple[str, str], float] = {}
@@ -175,6 +182,7 @@ class Holds:
             local.mine = threading.current_thread().name.startswith("ddp_strategy-")
             local.start, local.events, local.began = time.thread_time(), 0, "thread start"
             local.c_start, local.c_wall, local.c_events = 0.0, 0.0, 0
+            local.wall, local.collections = time.perf_counter(), self.collections_here()
         if not local.mine:
             return
         local.events += 1
@@ -187,6 +195,7 @@ class Holds:
                 where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
                 self._close(local, local.c_start, local.c_events, where)  # it ended as the call let the GIL go
                 local.start, local.events, local.began = now, 0, where
+                local.wall, local.collections = time.perf_counter(), self.collections_here()
             elif self.recording and now - local.c_start > self.longest_c_call["cpu_s"]:
                 owner = getattr(arg, "__self__", None)
                 where = getattr(owner, "__name__", type(owner).__name__) if owner is not None else ""
@@ -197,13 +206,26 @@ class Holds:
     def _close(self, local: Any, end: float, events: int, where: str) -> None:
         held = max(0.0, end - local.start - self.event_cost * events)
         if self.recording:
+            collected = self.collections_here() != local.collections
             self.stretches += 1
             self.over_1ms += held > 1e-3
+            self.over_1ms_with_collection += held > 1e-3 and collected
+            self.with_collection += collected
             sites = (local.began, where)
             self.by_sites[sites] = max(held, self.by_sites.get(sites, 0.0))
+            stretch = {
+                "cpu_s": held,
+                "wall_s": local.c_wall - local.wall,  # from its start to the call that let the GIL go
+                "thread": threading.current_thread().name,
+                "events": events,
+                "from": local.began,
+                "to": where,
+                "garbage_collection": collected,
+            }
             if held > self.longest["cpu_s"]:
-                thread = threading.current_thread().name
-                self.longest = {"cpu_s": held, "thread": thread, "events": events, "from": local.began, "to": where}
+                self.longest = stretch
+            if not collected and held > self.longest_without_collection["cpu_s"]:
+                self.longest_without_collection = stretch
 
 
 def calibrate_profile(holds: Holds, rounds: int = 200000) -> float:
@@ -270,10 +292,17 @@ class Collections:
         self.longest: dict[str, Any] = {"wall_s": 0.0}
         self.count = 0
         self._began = 0.0
+        self._by_thread: dict[int, int] = {}  # collections begun on each thread, recording or not
+
+    def on_this_thread(self) -> int:
+        """How many garbage collections the calling thread has begun."""
+        return self._by_thread.get(threading.get_ident(), 0)
 
     def callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
+            ident = threading.get_ident()
+            self._by_thread[ident] = self._by_thread.get(ident, 0) + 1
         elif self.recording:
             took = time.perf_counter() - self._began
             self.count += 1
@@ -299,13 +328,13 @@ class Phase(Callback):
 def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> dict[str, Any]:
     torch.manual_seed(0)
     clock = HookClock(warmup)
-    holds = Holds(event_cost)
+    collections = Collections()
+    holds = Holds(event_cost, collections.on_this_thread)
     dumps = Dumps()
     originals = {m: m.collective_trace for m in (desync_module, audit_module)}
     for module, dump in originals.items():
         module.collective_trace = dumps.wrap(dump)  # type: ignore[attr-defined]
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
-    collections = Collections()
     gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
     started = time.perf_counter()
@@ -348,7 +377,10 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         "background_holds": {
             "stretches": holds.stretches,
             "over_1ms": holds.over_1ms,
+            "over_1ms_with_collection": holds.over_1ms_with_collection,
+            "with_collection": holds.with_collection,
             "longest": holds.longest,
+            "longest_without_collection": holds.longest_without_collection,
             "longest_c_call": holds.longest_c_call,
             "longest_by_sites": [
                 {"from": began, "to": ended, "cpu_s": held}
@@ -433,6 +465,27 @@ def render(result: dict[str, Any]) -> list[str]:
         if row["variant"] == "safe" and by_sites:
             text = ", ".join(f"{s['from']} to {s['to']} {s['cpu_s'] * 1e3:.3f}" for s in by_sites)
             lines.append(f"- round {row['round']}: {text}")
+    apart = [
+        r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_with_collection" in r["background_holds"]
+    ]
+    if apart:
+        lines += [
+            "",
+            "Stretches that ran a garbage collection (one triggered on that thread by its allocation, which the "
+            "process's allocations make due), counted apart; the longest stretch without one, its CPU and its wall "
+            "time from its start to the call that let the GIL go (wall far above CPU: the thread was off its core):",
+            "",
+        ]
+        for row in apart:
+            holds = row["background_holds"]
+            alone = holds["longest_without_collection"]
+            lines.append(
+                f"- round {row['round']}: {holds['over_1ms']} over 1 ms, {holds['over_1ms_with_collection']} of them "
+                f"with a collection ({holds['with_collection']} stretches with one in all); the longest without one "
+                f"{alone['cpu_s'] * 1e3:.3f} ms CPU, "
+                f"{alone.get('wall_s', 0.0) * 1e3:.3f} ms wall ({alone.get('thread', '-')}, from {alone.get('from')} "
+                f"to {alone.get('to')}); the longest in all {holds['longest'].get('wall_s', 0.0) * 1e3:.3f} ms wall"
+            )
     return lines
 
 

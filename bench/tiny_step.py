@@ -676,11 +676,25 @@ def breakdown_parts(record: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def by_run(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pooled result's target ratio (safe / stock, mean step, ratio of medians) per mode in each of its runs.
+
+    Rounds of one run share the machine's state of that hour, so the pooled rounds' interval understates the
+    uncertainty: the runs' own ratios show the spread between runs.
+    """
+    out = []
+    for index, source in enumerate(result.get("pooled_from") or [], start=1):
+        fits = [f for f in result["fits"] if str(f["round"]).startswith(f"{index}.")]
+        out.append({"run": source["run"], **{t["mode"]: t["wall"] for t in targets(ratios(cells(fits)))}})
+    return out
+
+
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
     by_cell = cells(result["fits"])
     ratio_rows = ratios(by_cell)
     logs = int(result.get("config", {}).get("logs", 1))
     return {
+        "by_run": by_run(result),
         "rows": summary(by_cell),
         "ratios": ratio_rows,
         "targets": targets(ratio_rows),
@@ -839,6 +853,15 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
             f"{'met' if t['met'] else '**missed**'} | {'met' if t['met_by_cpu'] else '**missed**'} | "
             f"{us_spread(t['wall_added_s'])} | {us_spread(t['cpu_added_s'])} |"
         )
+    runs = analysis.get("by_run") or []
+    if runs:
+        lines += ["", "The target's ratio in each run alone (rounds of one run share that hour's machine):", ""]
+        for mode in MODES:
+            values = [r[mode] for r in runs if mode in r]
+            lines.append(
+                f"- {mode}: " + ", ".join(f"{v:.3f}" for v in values) + f"; {sum(v <= TARGET[2] for v in values)} of "
+                f"{len(values)} runs at most {TARGET[2]:.2f}, median {statistics.median(values):.3f}"
+            )
     own = analysis.get("own_cpu_per_step") or {}
     if own:
         lines += [

@@ -299,6 +299,8 @@ def test_pooled_runs_keep_each_round_paired_within_its_own_run_and_refuse_other_
     text = tiny.markdown(result, tiny.analyse(result))
     assert text.startswith("Pooled: the 2 runs `one` (-, commit abc, 10 rounds), `two` (-, commit abc, 10 rounds)")
     assert "20 rounds; per round" in text
+    assert [r["nolog"] for r in tiny.analyse(result)["by_run"]] == pytest.approx([1.05, 0.99])  # each run alone
+    assert "- nolog: 1.050, 0.990; 1 of 2 runs at most 1.02, median 1.020" in text
     other = full_run({**config, "variants": ["stock", "safe", "safe_bare"]}, fits(safe=(1.0, 1.0)))
     with pytest.raises(ValueError, match="other was not run as one was"):
         tiny.pooled([("one", first), ("other", other)])

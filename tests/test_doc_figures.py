@@ -1076,32 +1076,43 @@ POOLED_RUNS = {
     "`split-3`": "tiny_step-intel-split-3-7eee835",
     "pooled, 40 rounds": "tiny_step-intel-pooled-4-runs-938748a-code",
 }
+RECORDER_RUNS = {
+    "`recorder` (938748a)": "tiny_step-intel-recorder-938748a",
+    "`recorder-1`": "tiny_step-intel-recorder-1-79cfb6f",
+    "`recorder-2`": "tiny_step-intel-recorder-2-79cfb6f",
+    "pooled, 30 rounds": "tiny_step-intel-pooled-recorder-3-runs-938748a-code",
+}
 
 
-def test_four_pooled_runs_table_breakdown_and_figures_are_the_result_files():
-    """bench/README.md's four runs of one configuration, their pool, and the pooled step breakdown."""
-    section = (ROOT / "bench/README.md").read_text().split("### Four runs of one configuration")[1].split("\n## ")[0]
+def _pooled_row(label: str, data: dict[str, Any], *others: str) -> str:
+    """A row of bench/README.md's pooled tables: safe / stock (nolog: of medians, paired, interval; sync_dist), then
+    the ``others`` ratios without logging."""
+    nolog, synced = (_ratio_row(data, m, "safe / stock")["step_mean_s"] for m in ("nolog", "sync_dist"))
+    low, high = nolog["paired_interval"]
+    cells = [
+        label,
+        f"{nolog['of_medians']:.3f}",
+        "{median:.3f} [{min:.3f}, {max:.3f}]".format(**nolog["paired"]),
+        f"[{low:.3f}, {high:.3f}]",
+        f"{synced['of_medians']:.3f}",
+        *(f"{_ratio_row(data, 'nolog', name)['step_mean_s']['of_medians']:.3f}" for name in others),
+    ]
+    return f"| {' | '.join(cells)} |"
+
+
+def test_eight_runs_pooled_by_configuration_tables_breakdown_and_figures_are_the_result_files():
+    """bench/README.md's runs of the package code of 938748a, their two pools, and the first pool's step breakdown."""
+    section = (ROOT / "bench/README.md").read_text().split("### Eight runs of one package code")[1].split("\n## ")[0]
     for label, name in POOLED_RUNS.items():
-        data = result(name)
-        nolog, synced = (_ratio_row(data, m, "safe / stock")["step_mean_s"] for m in ("nolog", "sync_dist"))
-        bare, against_bare = (
-            _ratio_row(data, "nolog", n)["step_mean_s"] for n in ("safe_bare / stock", "safe / safe_bare")
-        )
-        low, high = nolog["paired_interval"]
-        cells = [
-            label,
-            f"{nolog['of_medians']:.3f}",
-            "{median:.3f} [{min:.3f}, {max:.3f}]".format(**nolog["paired"]),
-            f"[{low:.3f}, {high:.3f}]",
-            f"{synced['of_medians']:.3f}",
-            f"{bare['of_medians']:.3f}",
-            f"{against_bare['of_medians']:.3f}",
-        ]
-        assert f"| {' | '.join(cells)} |" in section, cells
-    pool = result(POOLED_RUNS["pooled, 40 rounds"])
-    assert [s["run"] for s in pool["pooled_from"]] == list(POOLED_RUNS.values())[:-1]
-    assert pool["config"]["rounds"] == 40
-    breakdown = {b["variant"]: b for b in pool["analysis"]["step_breakdown"] if b["mode"] == "nolog"}
+        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in section, label
+    for label, name in RECORDER_RUNS.items():
+        row = _pooled_row(label, result(name), "stock_recorder / stock", "safe / stock_recorder", "safe / safe_bare")
+        assert row in section, label
+    first, second = (result(runs[max(runs)]) for runs in (POOLED_RUNS, RECORDER_RUNS))
+    assert [s["run"] for s in first["pooled_from"]] == list(POOLED_RUNS.values())[:-1]
+    assert [s["run"] for s in second["pooled_from"]] == list(RECORDER_RUNS.values())[:-1]
+    assert first["config"]["rounds"] == 40 and second["config"]["rounds"] == 30
+    breakdown = {b["variant"]: b for b in first["analysis"]["step_breakdown"] if b["mode"] == "nolog"}
     parts = ("step_mean_s", "cpu_step_s", "runqueue_wait_s", "asleep_s")
     for variant, b in breakdown.items():
         cells = [
@@ -1112,14 +1123,36 @@ def test_four_pooled_runs_table_breakdown_and_figures_are_the_result_files():
         cells += [f"{b[f'{n}_added']['median'] * 1e6:+.0f}" if b[f"{n}_added"] else "-" for n in parts]
         assert f"| {' | '.join(cells)} |" in section, cells
     text = " ".join(section.split())
-    nolog = _ratio_row(pool, "nolog", "safe / stock")
-    low, high = nolog["step_mean_s"]["paired_interval"]
-    assert low > 1.02  # the pool's claim: missed by more than its 90% interval
-    assert f"Pooled over 40 rounds: {nolog['step_mean_s']['of_medians']:.3f}, paired median" in text
-    assert f"with a 90% interval of [{low:.3f}, {high:.3f}], above 1.02" in text
-    bare = _ratio_row(pool, "nolog", "safe_bare / stock")["step_mean_s"]
-    assert f"is {bare['of_medians']:.3f} against stock (paired median {bare['paired']['median']:.3f})" in text
-    against = _ratio_row(pool, "nolog", "safe / safe_bare")
+    for data in (first, second):
+        nolog = _ratio_row(data, "nolog", "safe / stock")["step_mean_s"]
+        low, high = nolog["paired_interval"]
+        assert f"{nolog['of_medians']:.3f} (paired median {nolog['paired']['median']:.3f}, " in text
+        assert f"[{low:.3f}, {high:.3f}])" in text
+    # every run of this package code with stock and safe at its defaults: each run's own ratio
+    names = [*list(POOLED_RUNS.values())[:-1], *list(RECORDER_RUNS.values())[:-1], "tiny_step-intel-bare-938748a"]
+    runs = sorted(_ratio_row(result(n), "nolog", "safe / stock")["step_mean_s"]["of_medians"] for n in names)
+    assert len(runs) == 8
+    bare = _ratio_row(result("tiny_step-intel-bare-938748a"), "nolog", "safe / stock")["step_mean_s"]["of_medians"]
+    assert f"the seven above and `bare`, {bare:.3f})" in text
+    assert (
+        f"gave {runs[0]:.3f} to {runs[-1]:.3f} without logging, {sum(r <= 1.02 for r in runs)} of 8 at most 1.02"
+        in text
+    )
+    assert f"median {(runs[3] + runs[4]) / 2:.3f}" in text
+    for data, label in ((first, "in the first pool"), (second, "in the second")):
+        against = _ratio_row(data, "nolog", "safe / safe_bare")["step_mean_s"]
+        assert f"{against['of_medians']:.3f} (paired median {against['paired']['median']:.3f}) {label}" in text or (
+            f"{against['of_medians']:.3f} (paired {against['paired']['median']:.3f}) {label}" in text
+        ), label
+    bare_ratios = [_ratio_row(d, "nolog", "safe_bare / stock")["step_mean_s"]["of_medians"] for d in (first, second)]
+    assert "safe without it against stock {:.3f} and {:.3f}".format(*bare_ratios) in text
+    recorder = _ratio_row(second, "nolog", "stock_recorder / stock")["step_mean_s"]["of_medians"]
+    by_run = ", ".join(
+        f"{_ratio_row(result(n), 'nolog', 'stock_recorder / stock')['step_mean_s']['of_medians']:.3f}"
+        for n in list(RECORDER_RUNS.values())[:-1]
+    )
+    assert f"stock with it against stock {recorder:.3f} pooled ({by_run} by run)" in text
+    against = _ratio_row(first, "nolog", "safe / safe_bare")
     assert f"(CPU ratio {against['cpu_step_s']['of_medians']:.3f} pooled)" in text
     safe, bare_b = breakdown["safe"], breakdown["safe_bare"]
     assert safe["voluntary_switches"]["median"] == pytest.approx(bare_b["voluntary_switches"]["median"], abs=0.005)
@@ -1127,8 +1160,8 @@ def test_four_pooled_runs_table_breakdown_and_figures_are_the_result_files():
     assert 60 <= asleep <= 80 and "about 70 us more per step" in text
     assert f"medians {safe['asleep_s']['median'] * 1e6:.0f} against {bare_b['asleep_s']['median'] * 1e6:.0f}" in text
     assert f"(paired medians {safe['cpu_step_s_added']['median'] * 1e6:+.0f} and" in text
-    synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]
-    assert f"safe is {synced['of_medians']:.3f} pooled" in text
+    synced = _ratio_row(first, "sync_dist", "safe / stock")["step_mean_s"]
+    assert f"safe is {synced['of_medians']:.3f} in the first pool" in text
 
 
 def test_step_pauses_remeasured_on_the_afternoon_of_2026_11_29_are_the_result_file():
@@ -1158,3 +1191,21 @@ def test_step_pauses_remeasured_on_the_afternoon_of_2026_11_29_are_the_result_fi
 
     assert f"99.9th percentile {gaps(safe, 'p999_s')} ms against stock's {gaps(stock, 'p999_s')}" in text
     assert f"the longest {gaps(safe, 'max_s')} ms against {gaps(stock, 'max_s')}" in text
+
+
+def test_step_pauses_with_garbage_collections_apart_are_the_result_file():
+    """bench/README.md's second afternoon run of step_pauses: no stretch over 1 ms ran a collection; CPU above wall."""
+    section = (
+        (ROOT / "bench/README.md").read_text().split("#### Re-measured 2026-11-29, afternoon")[1].split("\n## ")[0]
+    )
+    text = " ".join(section.split())
+    holds = [f["background_holds"] for f in result("step_pauses-intel-gc-233102d")["fits"] if f["variant"] == "safe"]
+    counts = " and ".join(f"{h['over_1ms']} of {h['stretches']}" for h in holds)
+    assert f"{counts} stretches over 1 ms, none of them with a garbage collection" in text
+    assert all(h["over_1ms_with_collection"] == 0 and h["with_collection"] == 1 for h in holds)
+    longest = [h["longest"] for h in holds]
+    assert all(not s["garbage_collection"] for s in longest)
+    assert all(s["cpu_s"] > s["wall_s"] > 1e-3 for s in longest[1:])  # round 2: CPU ahead of the wall clock
+    cpu = " and ".join(f"{s['cpu_s'] * 1e3:.3f}" for s in longest)
+    wall = " and ".join(f"{s['wall_s'] * 1e3:.3f}" for s in longest)
+    assert f"took {cpu} ms of thread CPU but {wall} ms of wall time" in text

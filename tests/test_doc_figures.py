@@ -1209,3 +1209,19 @@ def test_step_pauses_with_garbage_collections_apart_are_the_result_file():
     cpu = " and ".join(f"{s['cpu_s'] * 1e3:.3f}" for s in longest)
     wall = " and ".join(f"{s['wall_s'] * 1e3:.3f}" for s in longest)
     assert f"took {cpu} ms of thread CPU but {wall} ms of wall time" in text
+
+
+def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
+    """README.md's tiny-model row: the spread, median and count of the eight runs, and the sync_dist range."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| a tiny model's"))
+    names = [
+        *list(POOLED_RUNS.values())[:-1],
+        *list(RECORDER_RUNS.values())[:-1],
+        "tiny_step-intel-bare-938748a",
+    ]
+    nolog = sorted(_ratio_row(result(n), "nolog", "safe / stock")["step_mean_s"]["of_medians"] for n in names)
+    synced = sorted(_ratio_row(result(n), "sync_dist", "safe / stock")["step_mean_s"]["of_medians"] for n in names)
+    assert f"without logging {nolog[0]:.3f} to {nolog[-1]:.3f} by run (median {(nolog[3] + nolog[4]) / 2:.3f}, " in row
+    assert f"{sum(r <= 1.02 for r in nolog)} of 8 at most 1.02" in row
+    assert f"{synced[0]:.3f} to {synced[-1]:.3f} with `self.log(..., sync_dist=True)`" in row
+    assert "#eight-runs-of-one-package-code-pooled-by-configuration-and-the-step-split-by-the-scheduler" in row

@@ -689,12 +689,42 @@ def by_run(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def run_resampled_interval(
+    result: dict[str, Any], mode: str, *, level: float = 0.9, resamples: int = 2000
+) -> list[float] | None:
+    """A pooled result's 90% interval of the paired safe / stock median (mean step) that resamples runs, then rounds
+    within each drawn run (seeded): unlike ``paired_interval``, it lets the runs differ as they do.
+
+    ``None`` unless the result pools two runs or more.
+    """
+    runs: dict[str, list[float]] = {}
+    for index in range(1, len(result.get("pooled_from") or []) + 1):
+        fits = [f for f in result["fits"] if str(f["round"]).startswith(f"{index}.") and f["mode"] == mode]
+        by_cell = cells(fits)
+        stock = {r["round"]: r["step_mean_s"] for r in by_cell.get((mode, "stock"), [])}
+        runs[str(index)] = [
+            r["step_mean_s"] / stock[r["round"]] for r in by_cell.get((mode, "safe"), []) if r["round"] in stock
+        ]
+    pairs = [ratios for ratios in runs.values() if ratios]
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(1234)
+    medians = []
+    for _ in range(resamples):
+        drawn = [rng.choice(pairs) for _ in pairs]
+        medians.append(statistics.median(v for run in drawn for v in rng.choices(run, k=len(run))))
+    medians.sort()
+    tail = (1.0 - level) / 2
+    return [medians[int(tail * resamples)], medians[min(resamples - 1, int((1.0 - tail) * resamples))]]
+
+
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
     by_cell = cells(result["fits"])
     ratio_rows = ratios(by_cell)
     logs = int(result.get("config", {}).get("logs", 1))
     return {
         "by_run": by_run(result),
+        "run_resampled_interval": {mode: run_resampled_interval(result, mode) for mode in MODES},
         "rows": summary(by_cell),
         "ratios": ratio_rows,
         "targets": targets(ratio_rows),
@@ -862,6 +892,12 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
                 f"- {mode}: " + ", ".join(f"{v:.3f}" for v in values) + f"; {sum(v <= TARGET[2] for v in values)} of "
                 f"{len(values)} runs at most {TARGET[2]:.2f}, median {statistics.median(values):.3f}"
             )
+        for mode, interval in (analysis.get("run_resampled_interval") or {}).items():
+            if interval:
+                lines.append(
+                    f"- {mode}: the paired median's 90% interval resampling runs, then rounds within them: "
+                    f"[{interval[0]:.3f}, {interval[1]:.3f}]"
+                )
     own = analysis.get("own_cpu_per_step") or {}
     if own:
         lines += [

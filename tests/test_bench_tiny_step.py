@@ -301,6 +301,10 @@ def test_pooled_runs_keep_each_round_paired_within_its_own_run_and_refuse_other_
     assert "20 rounds; per round" in text
     assert [r["nolog"] for r in tiny.analyse(result)["by_run"]] == pytest.approx([1.05, 0.99])  # each run alone
     assert "- nolog: 1.050, 0.990; 1 of 2 runs at most 1.02, median 1.020" in text
+    low, high = tiny.analyse(result)["run_resampled_interval"]["nolog"]
+    assert low == pytest.approx(0.99) and high == pytest.approx(1.05)  # a draw of one run twice: its ratio alone
+    assert "resampling runs, then rounds within them: [0.990, 1.050]" in text
+    assert tiny.analyse(first)["run_resampled_interval"] == {"nolog": None, "sync_dist": None}  # not a pool
     other = full_run({**config, "variants": ["stock", "safe", "safe_bare"]}, fits(safe=(1.0, 1.0)))
     with pytest.raises(ValueError, match="other was not run as one was"):
         tiny.pooled([("one", first), ("other", other)])

@@ -1139,6 +1139,13 @@ def test_eight_runs_pooled_by_configuration_tables_breakdown_and_figures_are_the
         in text
     )
     assert f"median {(runs[3] + runs[4]) / 2:.3f}" in text
+    clustered = [data["analysis"]["run_resampled_interval"]["nolog"] for data in (first, second)]
+    assert (
+        "interval is [{:.3f}, {:.3f}] in the first pool and [{:.3f}, {:.3f}] in the second".format(
+            *clustered[0], *clustered[1]
+        )
+        in text
+    )
     for data, label in ((first, "in the first pool"), (second, "in the second")):
         against = _ratio_row(data, "nolog", "safe / safe_bare")["step_mean_s"]
         assert f"{against['of_medians']:.3f} (paired median {against['paired']['median']:.3f}) {label}" in text or (

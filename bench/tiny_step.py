@@ -538,9 +538,14 @@ def summary(by_cell: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[s
 def median_interval(values: list[float], *, level: float = 0.9, resamples: int = 2000) -> list[float]:
     """A bootstrap interval (percentile, seeded) of the median of ``values``: how far the rounds pin it down."""
     rng = random.Random(1234)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return percentiles([statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)], level)
+
+
+def percentiles(draws: list[float], level: float) -> list[float]:
+    """The central ``level`` interval of bootstrap draws: their (1 - level) / 2 and (1 + level) / 2 percentiles."""
+    draws = sorted(draws)
     tail = (1.0 - level) / 2
-    return [medians[int(tail * resamples)], medians[min(resamples - 1, int((1.0 - tail) * resamples))]]
+    return [draws[int(tail * len(draws))], draws[min(len(draws) - 1, int((1.0 - tail) * len(draws)))]]
 
 
 def ratio(num: list[dict[str, Any]], den: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -713,9 +718,7 @@ def run_resampled_interval(
     for _ in range(resamples):
         drawn = [rng.choice(pairs) for _ in pairs]
         medians.append(statistics.median(v for run in drawn for v in rng.choices(run, k=len(run))))
-    medians.sort()
-    tail = (1.0 - level) / 2
-    return [medians[int(tail * resamples)], medians[min(resamples - 1, int((1.0 - tail) * resamples))]]
+    return percentiles(medians, level)
 
 
 def analyse(result: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Instructions per training step: stock ``DDPStrategy`` and ``SafeDDPStrategy()`` on the tiny model, counted.
 
-Usage: python bench/instructions_per_step.py [--steps N] [--seeds N] [--results-dir DIR] [--name NAME]
+Usage: python bench/instructions_per_step.py [--steps N] [--seeds N] [--variants V ...] [--modes M ...]
+       [--results-dir DIR] [--name NAME]
 
 Times on this shared machine move by more than the strategy's cost per step (``bench/tiny_step.py``); the number of
 machine instructions a step executes does not, to within a few thousand per step. For each strategy and logging mode
@@ -19,6 +20,13 @@ counts. And it slows rank 0 down many times over (the window's wall time is in t
 which wake by the clock (the heartbeat's beats once a second), do many times more of their work per step than in a
 native run. Their figures compare the two strategies under the same slowdown; ``bench/strategy_cost.py`` measures
 them natively.
+
+Where the instructions go: ``--variants`` adds, beside ``stock`` and ``safe``, ``stock_recorder`` (stock with torch's
+Flight Recorder on, at the size ``SafeDDPStrategy`` gives it) and ``safe_no_recorder`` (``SafeDDPStrategy()`` with the
+recorder off by ``TORCH_FR_BUFFER_SIZE=0``, and with it the strategy's desync monitor, which it builds only when the
+recorder records). With ``callgrind_annotate`` on the machine, each fit's training thread is also split: the
+instructions inside the recorder's ``record`` call (its inclusive count: the entry and the Python stack it captures
+for every collective, :data:`RECORDER_RECORD`) and the rest, and the report pairs each variant with ``stock`` on both.
 
 Without valgrind, callgrind's header, gcc or setarch, it says which is missing and exits with status 0, writing
 nothing. Writes ``<name>.json`` and ``<name>.md`` (default ``instructions_per_step``) into ``--results-dir``
@@ -47,7 +55,15 @@ sys.path.insert(0, str(ROOT))
 
 WARMUP = 40
 VARIANTS = ("stock", "safe")
+#: every variant ``--variants`` may name, and the environment each fit runs with (what it changes for torch)
+ALL_VARIANTS = ("stock", "stock_recorder", "safe", "safe_no_recorder")
+RECORDER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 MODES = ("nolog", "sync_dist")
+#: torch's Flight Recorder's entry point for one collective (torch 2.14: ``recordWithResetEnabled``), as callgrind
+#: names it; its inclusive count is the recorder's work per collective, the stack it captures included
+RECORDER_RECORD = re.compile(r"FlightRecorder<[^>]*>::record\w*\(")
+#: a function line of ``callgrind_annotate --inclusive=yes``: its count, then its file and name
+ANNOTATED = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+(.*)$", re.MULTILINE)
 HEADER = Path("/usr/include/valgrind/callgrind.h")
 SHIM = """#include <valgrind/callgrind.h>
 void window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
@@ -70,6 +86,40 @@ def build_shim(directory: Path) -> Path:
     source.write_text(SHIM)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], check=True, timeout=120)
     return library
+
+
+def variant_environment(variant: str) -> dict[str, str]:
+    """The environment variables a fit of ``variant`` runs with, over the caller's (the recorder's size)."""
+    if variant == "stock_recorder":
+        from ddp_strategy.collective_record import TRACE_ENTRIES
+
+        return {RECORDER_SIZE_ENV: str(TRACE_ENTRIES)}
+    if variant == "safe_no_recorder":
+        return {RECORDER_SIZE_ENV: "0"}
+    if variant in ("stock", "safe"):
+        return {}
+    raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
+
+
+def recorder_instructions(thread_file: Path) -> int | None:
+    """Instructions inside the Flight Recorder's ``record`` calls of one thread's callgrind file, inclusive.
+
+    ``None`` without ``callgrind_annotate``. Nested matches (a ``record`` that calls another) count once: the
+    largest inclusive count is the outermost call's.
+    """
+    if shutil.which("callgrind_annotate") is None:
+        return None
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(thread_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout
+    return max(
+        (int(count.replace(",", "")) for count, name in ANNOTATED.findall(annotated) if RECORDER_RECORD.search(name)),
+        default=0,
+    )
 
 
 def worker(variant: str, mode: str, steps: int, library: str, root: str) -> None:
@@ -110,12 +160,15 @@ def thread_totals(prefix: Path) -> dict[int, int]:
 def run_fit(variant: str, mode: str, steps: int, seed: int, library: Path, scratch: Path) -> dict[str, Any]:
     """One fit with rank 0 under callgrind; its instructions per step, training thread and other threads."""
     prefix = scratch / f"{variant}-{mode}-{seed}"
+    base = "safe" if variant.startswith("safe") else "stock"
     callgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
     callgrind += [f"--callgrind-out-file={prefix}.%p"]
-    worker_command = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, mode]
+    worker_command = [sys.executable, str(Path(__file__).resolve()), "--worker", base, mode]
     worker_command += ["--steps", str(steps), "--library", str(library), "--root", str(scratch / "root")]
     command = ["setarch", platform.machine(), "-R", *callgrind, *worker_command]
-    env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+    env = {**os.environ, "PYTHONHASHSEED": str(seed), **variant_environment(variant)}
+    if variant in ("stock", "safe"):
+        env.pop(RECORDER_SIZE_ENV, None)  # the recorder as each strategy sets it, whatever the caller's environment
     log = prefix.with_suffix(".log")
     with log.open("wb") as out:
         finished = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
@@ -125,7 +178,12 @@ def run_fit(variant: str, mode: str, steps: int, seed: int, library: Path, scrat
     totals = thread_totals(prefix)
     training = totals.pop(1)
     window_s = float((scratch / "root" / "window_s").read_text())
-    return {"training": training / steps, "other_threads": sum(totals.values()) / steps, "window_s": window_s}
+    fit = {"training": training / steps, "other_threads": sum(totals.values()) / steps, "window_s": window_s}
+    recorder = recorder_instructions(next(prefix.parent.glob(f"{prefix.name}.*-01")))
+    if recorder is not None:
+        fit["recorder"] = recorder / steps
+        fit["training_less_recorder"] = (training - recorder) / steps
+    return fit
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -133,17 +191,53 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+#: the thread kinds of a fit, in the report's order, with their labels (the recorder's split only with its counts)
+KINDS = {
+    "training": "training thread",
+    "recorder": "of it, the recorder's `record`",
+    "training_less_recorder": "of it, the rest",
+    "other_threads": "other threads",
+}
+LABELS = {
+    "stock": "stock `DDPStrategy()`",
+    "stock_recorder": "stock, recorder on",
+    "safe": "`SafeDDPStrategy()`",
+    "safe_no_recorder": "safe, recorder off",
+}
+
+
 def analyse(fits: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
-    """Per mode and thread kind: each strategy's instructions per step over seeds, and what safe adds (medians)."""
-    modes: dict[str, Any] = {}
-    for mode in MODES:
+    """Per mode and thread kind: each variant's instructions per step over seeds, and what each adds to stock's.
+
+    ``fits`` maps ``"<variant>-<mode>"`` to that variant's fits (one per seed); ``stock`` must be among the variants.
+    A kind counted in only some fits (the recorder's split, without ``callgrind_annotate``) is left out.
+
+    Returns:
+        Per mode, per kind: each variant's median and range; ``added`` and ``ratio`` (safe against stock, when safe
+        ran) and ``vs_stock``: each other variant's median less stock's.
+
+    """
+    modes: dict[str, list[str]] = {}
+    for key in fits:
+        variant, mode = key.rsplit("-", 1)
+        modes.setdefault(mode, []).append(variant)
+    result: dict[str, Any] = {}
+    for mode, found in modes.items():
+        variants = [v for v in ALL_VARIANTS if v in found]
+        if "stock" not in variants:
+            raise ValueError(f"mode {mode!r} has no stock fits to compare with (variants: {', '.join(variants)})")
         row: dict[str, Any] = {}
-        for kind in ("training", "other_threads"):
-            per_variant = {v: spread([fit[kind] for fit in fits[f"{v}-{mode}"]]) for v in VARIANTS}
-            stock, safe = per_variant["stock"]["median"], per_variant["safe"]["median"]
-            row[kind] = {**per_variant, "added": safe - stock, "ratio": safe / stock if stock else float("nan")}
-        modes[mode] = row
-    return modes
+        for kind in KINDS:
+            if not all(kind in fit for v in variants for fit in fits[f"{v}-{mode}"]):
+                continue
+            per_variant = {v: spread([fit[kind] for fit in fits[f"{v}-{mode}"]]) for v in variants}
+            stock = per_variant["stock"]["median"]
+            row[kind] = {**per_variant, "vs_stock": {v: per_variant[v]["median"] - stock for v in variants[1:]}}
+            if "safe" in per_variant:
+                safe = per_variant["safe"]["median"]
+                row[kind].update(added=safe - stock, ratio=safe / stock if stock else float("nan"))
+        result[mode] = row
+    return result
 
 
 def _thousands(value: float) -> str:
@@ -151,32 +245,49 @@ def _thousands(value: float) -> str:
 
 
 def render(result: dict[str, Any]) -> list[str]:
-    """The report: one table of instructions per step, medians with their range over seeds."""
+    """The report: one table of instructions per step, medians with their range over seeds, each paired with stock."""
     windows = [fit["window_s"] for fits in result["fits"].values() for fit in fits]
+    variants = [v for v in ALL_VARIANTS if any(key.startswith(f"{v}-") for key in result["fits"])]
+    others = variants[1:]
     lines = [
         f"Measured {result['date']} on {result['machine']['platform']}, torch {result['machine']['torch']}, "
         f"Lightning {result['machine']['lightning']}: a 2-rank fit per strategy, mode and seed (Lightning's launcher, "
         f"gloo, CPU) of the tiny model, rank 0 under callgrind for {result['steps']} training steps after "
         f"{result['warmup']} warm-up steps, under `setarch -R`, once per `PYTHONHASHSEED` in "
         f"{', '.join(map(str, result['seeds']))}. Instructions per training step: median over seeds [min - max]; "
-        "'added' is safe's median less stock's. Callgrind counts user space only (no waits, wake-ups or system "
+        "'added' is a variant's median less stock's. Callgrind counts user space only (no waits, wake-ups or system "
         f"calls), and slowed rank 0 down: a window lasted {min(windows):.0f} to {max(windows):.0f} s, so the other "
         "threads, which wake by the clock, did many times more of their work per step than natively.",
-        "",
-        "| mode | threads | stock `DDPStrategy()` | `SafeDDPStrategy()` | added by safe | safe/stock |",
-        "|---|---|---|---|---|---|",
     ]
+    if "stock_recorder" in variants or "safe_no_recorder" in variants:
+        lines[0] += (
+            " Variants: stock with torch's Flight Recorder on at the strategy's size (`stock, recorder on`), "
+            "`SafeDDPStrategy()` with it off by `TORCH_FR_BUFFER_SIZE=0`, its desync monitor with it (`safe, "
+            "recorder off`)."
+        )
+    if any("recorder" in row for row in result["modes"].values()):
+        lines[0] += (
+            " The training thread is split into the recorder's `record` calls (inclusive: the entry and the Python "
+            "stack it captures per collective) and the rest."
+        )
+    header = ["mode", "threads", *(LABELS[v] for v in variants)]
+    for v in others:
+        header += [f"added by {LABELS[v]}", f"{v}/stock"]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for mode, row in result["modes"].items():
-        for kind, label in (("training", "training thread"), ("other_threads", "other threads")):
+        for kind, label in KINDS.items():
+            if kind not in row:
+                continue
             cells = [
                 f"{_thousands(row[kind][v]['median'])} [{_thousands(row[kind][v]['min'])} - "
                 f"{_thousands(row[kind][v]['max'])}]"
-                for v in VARIANTS
+                for v in variants
             ]
-            added = row[kind]["added"]
-            lines.append(
-                f"| {mode} | {label} | {cells[0]} | {cells[1]} | {added / 1000:+,.1f}k | {row[kind]['ratio']:.4f} |"
-            )
+            stock = row[kind]["stock"]["median"]
+            for v in others:
+                ratio = f"{row[kind][v]['median'] / stock:.4f}" if stock else "-"
+                cells += [f"{row[kind]['vs_stock'][v] / 1000:+,.1f}k", ratio]
+            lines.append(f"| {mode} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -184,6 +295,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3, help="PYTHONHASHSEED values 0 .. N-1, one fit each")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS, help="stock is always run"
+    )
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--name", default="instructions_per_step", help="results file name, no suffix")
     parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
@@ -202,9 +317,10 @@ def main() -> None:
     fits: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="instructions-") as scratch:
         library = build_shim(Path(scratch))
+        variants = [v for v in ALL_VARIANTS if v == "stock" or v in args.variants]
         for seed in range(args.seeds):
-            for mode in MODES:
-                for variant in VARIANTS:
+            for mode in [m for m in MODES if m in args.modes]:
+                for variant in variants:
                     fit = run_fit(variant, mode, args.steps, seed, library, Path(scratch))
                     fits.setdefault(f"{variant}-{mode}", []).append(fit)
                     print(f"seed {seed} {variant} {mode}: {fit['training']:,.0f} per step", flush=True)

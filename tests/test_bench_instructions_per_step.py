@@ -74,3 +74,99 @@ def test_without_valgrind_it_names_what_is_missing_and_writes_nothing(monkeypatc
     instructions.main()
     assert capsys.readouterr().out.startswith("skipped: this benchmark needs valgrind, ")
     assert not (tmp_path / "out").exists()
+
+
+def test_each_variant_runs_with_its_recorder_setting():
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+
+    assert instructions.variant_environment("stock") == {}
+    assert instructions.variant_environment("safe") == {}
+    assert instructions.variant_environment("stock_recorder") == {"TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES)}
+    assert instructions.variant_environment("safe_no_recorder") == {"TORCH_FR_BUFFER_SIZE": "0"}
+    with pytest.raises(ValueError, match="unknown variant 'safe_bare'; choose from stock, stock_recorder, safe"):
+        instructions.variant_environment("safe_bare")
+
+
+#: lines as ``callgrind_annotate --inclusive=yes`` prints them (names shortened): the recorder's entry point calls
+#: the stack capture, whose count is inside the entry point's
+ANNOTATION = """\
+--------------------------------------------------------------------------------
+Ir
+--------------------------------------------------------------------------------
+403,764,446 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                   file:function
+--------------------------------------------------------------------------------
+60,660,042 (15.02%)  Python/ceval.c:_PyEval_EvalFrameDefault'2 [/lib/libpython3.11.so.1.0]
+ 2,008,002 ( 0.50%)  ???:c10d::FlightRecorder<c10::Event>::recordWithResetEnabled(unsigned long, std::tuple<std::\
+string, std::string> const&, bool) [/torch/lib/libtorch_cpu.so]
+ 1,612,727 ( 0.40%)  ???:torch::CapturedTraceback::gather(bool, bool, bool) [/torch/lib/libtorch_cpu.so]
+    12,000 ( 0.00%)  ???:c10d::FlightRecorder<c10::Event>::record(unsigned long) [/torch/lib/libtorch_cpu.so]
+"""
+
+
+def test_the_recorders_instructions_are_its_outermost_record_call(monkeypatch, tmp_path):
+    calls = []
+
+    def annotate(command, **kwargs):
+        calls.append(command)
+        return type("Done", (), {"stdout": ANNOTATION})()
+
+    monkeypatch.setattr(instructions.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr(instructions.subprocess, "run", annotate)
+    assert instructions.recorder_instructions(tmp_path / "safe-nolog-0.1-01") == 2_008_002
+    assert calls == [["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(tmp_path / "safe-nolog-0.1-01")]]
+    # a thread that recorded nothing, and a machine without the annotation tool
+    monkeypatch.setattr(instructions.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "Ir\n"})())
+    assert instructions.recorder_instructions(tmp_path / "x-01") == 0
+    monkeypatch.setattr(instructions.shutil, "which", lambda tool: None)
+    assert instructions.recorder_instructions(tmp_path / "x-01") is None
+
+
+def split_fit(training: float, recorder: float) -> dict[str, float]:
+    return {
+        "training": training,
+        "recorder": recorder,
+        "training_less_recorder": training - recorder,
+        "other_threads": 100_000,
+        "window_s": 7.0,
+    }
+
+
+def test_every_variant_is_paired_with_stock_on_each_part_of_the_training_thread():
+    fits = {
+        "stock-nolog": [split_fit(4_010_000, 0), split_fit(4_006_000, 0), split_fit(4_011_000, 0)],
+        "stock_recorder-nolog": [split_fit(4_030_000, 20_000)] * 3,
+        "safe-nolog": [split_fit(4_038_000, 20_100), split_fit(4_042_000, 20_000), split_fit(4_035_000, 20_200)],
+        "safe_no_recorder-nolog": [split_fit(4_012_000, 0)] * 3,
+    }
+    modes = instructions.analyse(fits)
+    nolog = modes["nolog"]
+    assert list(nolog) == ["training", "recorder", "training_less_recorder", "other_threads"]
+    assert nolog["training"]["vs_stock"] == {"stock_recorder": 20_000, "safe": 28_000, "safe_no_recorder": 2_000}
+    assert nolog["training"]["added"] == 28_000  # safe against stock, as in the two-variant runs
+    assert nolog["recorder"]["vs_stock"]["safe"] == 20_100
+    assert nolog["training_less_recorder"]["vs_stock"]["safe"] == pytest.approx(7_900)  # medians of the rest
+    lines = instructions.render(
+        {"steps": 100, "warmup": 40, "seeds": [0, 1, 2], "modes": modes, "fits": fits, "date": "d",
+         "machine": {"platform": "p", "torch": "t", "lightning": "l"}}
+    )  # fmt: skip
+    header = (
+        "| mode | threads | stock `DDPStrategy()` | stock, recorder on | `SafeDDPStrategy()` | safe, recorder off | "
+        "added by stock, recorder on | stock_recorder/stock | added by `SafeDDPStrategy()` | safe/stock | "
+        "added by safe, recorder off | safe_no_recorder/stock |"
+    )
+    assert header in lines
+    assert (
+        "| nolog | of it, the rest | 4,010.0k [4,006.0k - 4,011.0k] | 4,010.0k [4,010.0k - 4,010.0k] | "
+        "4,017.9k [4,014.8k - 4,022.0k] | 4,012.0k [4,012.0k - 4,012.0k] | +0.0k | 1.0000 | +7.9k | 1.0020 | "
+        "+2.0k | 1.0005 |"
+    ) in lines
+    assert "split into the recorder's `record` calls" in lines[0]
+    assert "`TORCH_FR_BUFFER_SIZE=0`" in lines[0]
+
+
+def test_a_mode_without_stock_fits_is_refused():
+    with pytest.raises(ValueError, match="mode 'nolog' has no stock fits to compare with"):
+        instructions.analyse({"safe-nolog": [split_fit(1, 0)]})

@@ -21,12 +21,14 @@ which wake by the clock (the heartbeat's beats once a second), do many times mor
 native run. Their figures compare the two strategies under the same slowdown; ``bench/strategy_cost.py`` measures
 them natively.
 
-Where the instructions go: ``--variants`` adds, beside ``stock`` and ``safe``, ``stock_recorder`` (stock with torch's
-Flight Recorder on, at the size ``SafeDDPStrategy`` gives it) and ``safe_no_recorder`` (``SafeDDPStrategy()`` with the
-recorder off by ``TORCH_FR_BUFFER_SIZE=0``, and with it the strategy's desync monitor, which it builds only when the
-recorder records). With ``callgrind_annotate`` on the machine, each fit's training thread is also split: the
-instructions inside the recorder's ``record`` call (its inclusive count: the entry and the Python stack it captures
-for every collective, :data:`RECORDER_RECORD`) and the rest, and the report pairs each variant with ``stock`` on both.
+Where the instructions go: torch (2.13 and 2.14) runs its Flight Recorder by default, 2000 entries, so stock records
+every collective with its Python stack too; ``SafeDDPStrategy()`` sets the size to 32 (``TRACE_ENTRIES``) unless the
+user set one. ``--variants`` adds, beside ``stock`` and ``safe``, ``stock_recorder`` (stock with the recorder at the
+strategy's size) and ``safe_no_recorder`` (``SafeDDPStrategy()`` with the recorder off by ``TORCH_FR_BUFFER_SIZE=0``,
+and with it the strategy's desync monitor, which it builds only when the recorder records). With
+``callgrind_annotate`` on the machine, each fit's training thread is also split: the instructions inside the
+recorder's ``record`` call (its inclusive count: the entry and the Python stack it captures for every collective,
+:data:`RECORDER_RECORD`) and the rest, and the report pairs each variant with ``stock`` on both.
 
 Without valgrind, callgrind's header, gcc or setarch, it says which is missing and exits with status 0, writing
 nothing. Writes ``<name>.json`` and ``<name>.md`` (default ``instructions_per_step``) into ``--results-dir``
@@ -200,7 +202,7 @@ KINDS = {
 }
 LABELS = {
     "stock": "stock `DDPStrategy()`",
-    "stock_recorder": "stock, recorder on",
+    "stock_recorder": "stock, recorder at 32",
     "safe": "`SafeDDPStrategy()`",
     "safe_no_recorder": "safe, recorder off",
 }
@@ -261,9 +263,9 @@ def render(result: dict[str, Any]) -> list[str]:
     ]
     if "stock_recorder" in variants or "safe_no_recorder" in variants:
         lines[0] += (
-            " Variants: stock with torch's Flight Recorder on at the strategy's size (`stock, recorder on`), "
-            "`SafeDDPStrategy()` with it off by `TORCH_FR_BUFFER_SIZE=0`, its desync monitor with it (`safe, "
-            "recorder off`)."
+            " Stock runs torch's Flight Recorder at torch's default size, 2000 entries, and `SafeDDPStrategy()` at 32. "
+            "Variants: stock with the recorder at 32 entries (`stock, recorder at 32`), `SafeDDPStrategy()` with it "
+            "off by `TORCH_FR_BUFFER_SIZE=0`, its desync monitor with it (`safe, recorder off`)."
         )
     if any("recorder" in row for row in result["modes"].values()):
         lines[0] += (

@@ -153,8 +153,8 @@ def test_every_variant_is_paired_with_stock_on_each_part_of_the_training_thread(
          "machine": {"platform": "p", "torch": "t", "lightning": "l"}}
     )  # fmt: skip
     header = (
-        "| mode | threads | stock `DDPStrategy()` | stock, recorder on | `SafeDDPStrategy()` | safe, recorder off | "
-        "added by stock, recorder on | stock_recorder/stock | added by `SafeDDPStrategy()` | safe/stock | "
+        "| mode | threads | stock `DDPStrategy()` | stock, recorder at 32 | `SafeDDPStrategy()` | safe, recorder off | "
+        "added by stock, recorder at 32 | stock_recorder/stock | added by `SafeDDPStrategy()` | safe/stock | "
         "added by safe, recorder off | safe_no_recorder/stock |"
     )
     assert header in lines
@@ -165,6 +165,7 @@ def test_every_variant_is_paired_with_stock_on_each_part_of_the_training_thread(
     ) in lines
     assert "split into the recorder's `record` calls" in lines[0]
     assert "`TORCH_FR_BUFFER_SIZE=0`" in lines[0]
+    assert "torch's default size, 2000 entries" in lines[0]
 
 
 def test_a_mode_without_stock_fits_is_refused():

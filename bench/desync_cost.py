@@ -9,8 +9,9 @@ as a barrier and an all-reduce (``SafeDDPStrategy`` since 12b4323: the all-reduc
 dominated by these collectives. Variants, their order rotated
 every repeat:
 
-* ``stock``: Lightning's ``DDPStrategy``; torch's Flight Recorder off (torch's default for gloo);
-* ``stock_traced``: the same with the Flight Recorder on (``TORCH_FR_BUFFER_SIZE=2048``): the recording's own cost;
+* ``stock``: Lightning's ``DDPStrategy``; torch's Flight Recorder at torch's default, which is on (2000 entries;
+  this docstring said "off" until 2026-11-29, see bench/README.md);
+* ``stock_traced``: the same with the recorder at 2048 entries: so not the recording's own cost, which both have;
 * ``safe``: ``SafeDDPStrategy()`` (desync detection on, its default);
 * ``safe_off``: ``SafeDDPStrategy(desync_detection=False)``.
 

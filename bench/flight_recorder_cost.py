@@ -3,8 +3,9 @@
     python bench/flight_recorder_cost.py              # 6 rounds: bench/results/flight_recorder_cost.{json,md}
     python bench/flight_recorder_cost.py --rounds 10
 
-``SafeDDPStrategy`` turns the recorder on (``TORCH_FR_BUFFER_SIZE``, ``collective_record.TRACE_ENTRIES`` entries)
-when it creates the default process group: its desync audit reads the recorded calls. The recorder then
+torch runs the recorder by default (2000 entries, stock Lightning included); ``SafeDDPStrategy`` sets its size
+(``TORCH_FR_BUFFER_SIZE``, ``collective_record.TRACE_ENTRIES`` entries) when it creates the default process group: its
+desync audit reads the recorded calls. "off" here is ``TORCH_FR_BUFFER_SIZE=0``. The recorder then
 records every collective of the process, with the Python stack of the call, on the thread that makes it: DDP's
 gradient all-reduce (one per bucket and step), every ``sync_dist`` value, the user's own collectives.
 

@@ -14,15 +14,16 @@ random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
 * ``safe``: ``SafeDDPStrategy()`` at its defaults;
 
 and, for diagnosis (``--variants``, any of them in a group): ``stock_again`` (a second stock fit, as ``--aa`` runs),
-``stock_recorder`` (stock with torch's Flight Recorder on, at the size ``SafeDDPStrategy`` gives it) and
+``stock_recorder`` (stock with torch's Flight Recorder at the size ``SafeDDPStrategy`` gives it, 32 entries; stock
+runs it at torch's default, 2000) and
 ``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``);
 each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
 
 How it is run: every fit has its own pair of processes, started by ``torchrun --standalone`` (2 ranks, one thread
 each, rank r pinned to core r as in ``bench/suite.py``; ``--no-pin`` leaves placement to the scheduler), so each
-strategy creates the default process group as it does for a user (``SafeDDPStrategy`` turns torch's
-Flight Recorder on for it; in a shared process every later fit would inherit that, or ``safe`` would lose it). A
+strategy creates the default process group as it does for a user (``SafeDDPStrategy`` sets the size of torch's
+Flight Recorder for it; in a shared process every later fit would inherit that, or ``safe`` would lose it). A
 *round* starts, per logging mode (modes in alternating order), the variants' jobs at once (three by default); once
 every rank is at its first step, a baton (keys in a ``TCPStore`` this script hosts) lets one job at a time train a
 *chunk* of steps while the others wait at a step boundary, in a new seeded order at every pass: an untimed warm-up
@@ -89,9 +90,10 @@ LABELS = {
     "stock_again": "Lightning DDPStrategy(), again (A/A)",
     "safe": "SafeDDPStrategy()",
     "safe_bare": "SafeDDPStrategy(), the safe_bare variant",
-    "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder on",
+    "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder at 32 entries",
 }
-#: the ``stock_recorder`` variant's environment: torch's Flight Recorder on, at the size SafeDDPStrategy gives it
+#: the ``stock_recorder`` variant's environment: torch's Flight Recorder (on by default, 2000 entries) at the size
+#: SafeDDPStrategy gives it
 #: (``ddp_strategy.collective_record.TRACE_ENTRIES``, read when the jobs start)
 RECORDER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 RATIOS = (

@@ -35,3 +35,57 @@ def test_calls_per_step_and_what_safe_adds_per_function():
     )
     assert "| nolog | 12 | 15 | +4 |" in lines  # rounded: 11.5 -> 12, 15 - 11.5 = 3.5 -> +4
     assert "- `getattr` +3.00" in lines and "- `stock_only` -0.50" in lines
+
+
+def _loop(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def _opcodes_of(*calls_made: tuple[int, ...]) -> int:
+    counter = calls.OpcodeCounter()
+    counter.start()
+    try:
+        for args in calls_made:
+            _loop(*args)
+    finally:
+        counter.stop()
+    return counter.counts[calls._code_name(_loop.__code__)]
+
+
+def test_the_opcode_counter_counts_each_functions_bytecodes_on_its_thread_only():
+    import threading
+
+    once, twice, longer = _opcodes_of((10,)), _opcodes_of((10,), (10,)), _opcodes_of((20,))
+    assert once > 10 and twice == 2 * once  # exact counts: the same call runs the same instructions
+    assert longer - once == (_opcodes_of((30,)) - longer)  # ten more iterations, the same instructions each time
+    counter = calls.OpcodeCounter()
+    counter.start()
+    try:
+        other = threading.Thread(target=_loop, args=(10,))  # another thread is not traced
+        other.start()
+        other.join()
+    finally:
+        counter.stop()
+    _loop(10)  # after stop: not counted
+    assert counter.counts[calls._code_name(_loop.__code__)] == 0
+
+
+def test_an_opcode_count_reads_as_bytecode_instructions():
+    fits = {f"{v}-{m}": fit(10, {"call.py:203(_call_callback_hooks)": 2520 if v == "safe" else 0}) for v in
+            ("stock", "safe") for m in ("nolog", "sync_dist")}  # fmt: skip
+    lines = calls.render(
+        {
+            "steps": 10,
+            "count": "opcodes",
+            "modes": calls.analyse(fits),
+            "date": "d",
+            "machine": {"platform": "p", "torch": "t", "lightning": "l"},
+        }
+    )
+    assert "traced (`sys.settrace`, opcode events)" in lines[0]
+    assert "Python bytecode instructions per training step" in lines[0]
+    assert "Bytecode instructions per step added by safe, nolog (largest 40; negative: fewer than stock):" in lines
+    assert "- `call.py:203(_call_callback_hooks)` +252.00" in lines

@@ -1158,7 +1158,8 @@ def test_eight_runs_pooled_by_configuration_tables_breakdown_and_figures_are_the
         f"{_ratio_row(result(n), 'nolog', 'stock_recorder / stock')['step_mean_s']['of_medians']:.3f}"
         for n in list(RECORDER_RUNS.values())[:-1]
     )
-    assert f"stock with it against stock {recorder:.3f} pooled ({by_run} by run)" in text
+    recorder_line = f"stock with it at 32 against stock at torch's default of 2000, {recorder:.3f} pooled"
+    assert f"{recorder_line} ({by_run} by run)" in text
     against = _ratio_row(first, "nolog", "safe / safe_bare")
     assert f"(CPU ratio {against['cpu_step_s']['of_medians']:.3f} pooled)" in text
     safe, bare_b = breakdown["safe"], breakdown["safe_bare"]
@@ -1232,3 +1233,55 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     assert f"{sum(r <= 1.02 for r in nolog)} of 8 at most 1.02" in row
     assert f"{synced[0]:.3f} to {synced[-1]:.3f} with `self.log(..., sync_dist=True)`" in row
     assert "#eight-runs-of-one-package-code-pooled-by-configuration-and-the-step-split-by-the-scheduler" in row
+
+
+def test_where_safes_added_instructions_go_is_the_result_files():
+    """bench/README.md's split of the training thread's instructions (the recorder's record, the rest) and opcodes."""
+    readme = (ROOT / "bench/README.md").read_text()
+    section = readme.split("### Where safe's added instructions go")[1].split("\n## ")[0]
+    text = " ".join(section.split())
+    nolog = result("instructions_per_step-recorder-77f4468")["modes"]["nolog"]
+    variants = ("stock", "stock_recorder", "safe", "safe_no_recorder")
+
+    def cell(kind: str, variant: str) -> str:
+        median = _k(nolog[kind][variant]["median"])
+        if variant == "stock":
+            return median
+        added = nolog[kind]["vs_stock"][variant]
+        return f"{median} ({'+' if added >= 0 else '-'}{_k(abs(added))})"
+
+    training = " | ".join(cell("training", v) for v in variants)
+    assert f"| training thread | {training} |" in text
+    recorder = " | ".join(_k(nolog["recorder"][v]["median"]) for v in variants)
+    assert f"| of it, the recorder's `record` | {recorder} |" in text
+    rest = [cell("training_less_recorder", v) for v in variants]
+    assert f"| of it, the rest | {' | '.join(rest)} |" in text
+    t, r = nolog["training"], nolog["training_less_recorder"]
+    against_same_ring = t["safe"]["median"] - t["stock_recorder"]["median"]
+    safe_t, same_ring_t = _k(t["safe"]["median"]), _k(t["stock_recorder"]["median"])
+    assert f"safe adds {_k(against_same_ring)} ({safe_t} against {same_ring_t})" in text
+    assert f"{_k(r['safe']['median'] - r['stock_recorder']['median'])} of them outside the recorder" in text
+    assert f"it adds {_k(t['added'])} ({(t['ratio'] - 1) * 100:.2f}%)" in text
+    assert f"saves stock {_k(-t['vs_stock']['stock_recorder'])} instructions per step**, " in text
+    assert f"{_k(-r['vs_stock']['stock_recorder'])} of them outside `record`" in text
+    assert f"safe counts {_k(-t['vs_stock']['safe_no_recorder'])} fewer than stock" in text
+    rec = nolog["recorder"]
+    stock_rec, safe_rec = _k(rec["stock"]["median"]), _k(rec["safe"]["median"])
+    assert f"takes {stock_rec} instructions per step in stock and {safe_rec} in safe" in text
+    opcodes = result("call_count-opcodes")["modes"]["nolog"]
+    counts, added = opcodes["calls_per_step"], opcodes["added_per_step"]
+    assert f"stock runs {counts['stock']:,.0f} bytecode instructions per step and safe {counts['safe']:,.0f}" in text
+    assert f"(+{counts['safe'] - counts['stock']:.0f})" in text
+    loop = added["call.py:203(_call_callback_hooks)"]
+    assert f"turning over the strategy's four callbacks | +{loop:.1f} |" in text
+    batch_start = sum(added[k] for k in added if k.split(":")[0] in (
+        "lifecycle.py", "heartbeat.py", "weight_checks.py", "lightning.py", "trainable.py", "control.py"
+    )) + added["strategy.py:251(on_train_batch_start)"]  # fmt: skip
+    step = sum(added[k] for k in ("strategy.py:289(optimizer_step)", "bucket_layout.py:196(after_optimizer_step)",
+                                  "strategy.py:352(model)", "saving.py:123(closure_waiting_for_snapshot)"))  # fmt: skip
+    assert f"the desync check) | +{batch_start:.0f} |" in text
+    assert f"`model`) | +{step:.0f} |" in text
+    assert f"`post_backward` | +{added['strategy.py:283(post_backward)']:.0f} |" in text
+    assert batch_start + step + loop + added["strategy.py:283(post_backward)"] == pytest.approx(sum(added.values()))
+    assert f"about {round(loop / 24)} bytecodes" in text  # four callbacks, six per-batch hooks
+    assert f"an estimated {round(loop * 18 / 24, -1):.0f} bytecodes fewer" in text

@@ -82,7 +82,7 @@ class RunLifecycle:
         """``DDPStrategy.setup_distributed``, except that NCCL is initialised lazily (no ``device_id``).
 
         Two ranks on one GPU then reach the device check on the control plane instead of failing inside NCCL's own
-        init. With desync detection, torch's Flight Recorder is switched on first (it reads its size then).
+        init. With desync detection, torch's Flight Recorder (on by default) is given its size first (it reads it then).
 
         Args:
             strategy: the strategy being set up.

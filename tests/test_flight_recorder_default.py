@@ -1,0 +1,53 @@
+"""torch records every collective by default: stock Lightning runs its Flight Recorder too (2000 entries).
+
+The strategy's docs say that it sets the recorder's size (``TRACE_ENTRIES``), not that it turns the recorder on, and
+the benchmarks compare stock at torch's default with the strategy at its size. This test keeps both true on every
+torch CI runs (marked ``compat``: the lowest supported torch too). Each case is a fresh process with a 1-rank gloo
+group: the recorder reads its size when the first group is created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.proc import run_script
+
+pytestmark = pytest.mark.compat
+
+CALLS = 2100  # more than torch's default ring: the dump holds the ring's size
+
+PROGRAM = f"""
+import json, os, pickle, sys, tempfile
+import torch, torch.distributed as dist
+from ddp_strategy._compat.torch import collective_status
+path = tempfile.mkdtemp()
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(path, "store"), 1), rank=0, world_size=1)
+for _ in range({CALLS}):
+    dist.all_reduce(torch.ones(1))
+entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)).get("entries", [])
+print(json.dumps({{"status": collective_status(), "entries": len(entries)}}))
+dist.destroy_process_group()
+"""
+
+
+def recorded(size: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    if size is not None:
+        env["TORCH_FR_BUFFER_SIZE"] = size
+    run = run_script(["-c", PROGRAM], timeout=120, env=env)
+    assert run.returncode == 0, run.output[-2000:]
+    return dict(json.loads(run.output.strip().splitlines()[-1]))
+
+
+def test_torch_records_every_collective_by_default_in_a_ring_of_2000():
+    default = recorded(None)
+    assert default["status"] == {"0": [CALLS, CALLS]}  # group 0: every call enqueued and completed
+    assert default["entries"] == 2000
+
+
+def test_a_size_of_zero_turns_the_recorder_off_and_the_strategys_size_is_kept():
+    assert recorded("0") == {"status": {}, "entries": 0}
+    assert recorded("32")["entries"] == 32

@@ -156,6 +156,27 @@ def _batch_start(self: HookClock, trainer: pl.Trainer, pl_module: Any, batch: An
 HookClock.on_train_batch_start = _batch_start  # type: ignore[method-assign]
 
 
+class SchedStat:
+    """The calling thread's scheduler counts (``/proc/thread-self/schedstat``): nanoseconds on a core and runnable.
+
+    Opened once on the thread that makes it (``/proc/thread-self`` names the opening thread), read with one ``pread``.
+    Without the file (not Linux, or no schedstats), :meth:`read` gives ``None``.
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[int, int] | None:
+        """``(ns on a core, ns runnable but waiting for one)`` since the thread started."""
+        if self._fd is None:
+            return None
+        on_core, waiting = os.pread(self._fd, 128, 0).split()[:2]
+        return int(on_core), int(waiting)
+
+
 class Holds:
     """The strategy's background threads' GIL-holding stretches, from a profile function on those threads."""
 
@@ -170,6 +191,10 @@ class Holds:
         self.over_1ms = 0
         self.over_1ms_with_collection = 0
         self.with_collection = 0  # stretches that ran a garbage collection, of any length
+        #: stretches over 1 ms of wall time, and of those the ones still over 1 ms without their time on the run queue
+        #: (runnable, waiting for a core while holding the GIL: the machine's share of the pause)
+        self.over_1ms_wall = 0
+        self.over_1ms_on_core = 0
         self.longest_c_call: dict[str, Any] = {"cpu_s": 0.0}
         #: the longest stretch between each pair of sites (from, to) that let the GIL go: which work holds it how long
         self.by_sites: dict[tuple[str, str], float] = {}
@@ -180,6 +205,8 @@ class Holds:
         local = self._local
         if not hasattr(local, "mine"):
             local.mine = threading.current_thread().name.startswith("ddp_strategy-")
+            local.schedstat = SchedStat() if local.mine else None
+            local.sched = local.c_sched = local.schedstat.read() if local.schedstat else None
             local.start, local.events, local.began = time.thread_time(), 0, "thread start"
             local.c_start, local.c_wall, local.c_events = 0.0, 0.0, 0
             local.wall, local.collections = time.perf_counter(), self.collections_here()
@@ -188,13 +215,16 @@ class Holds:
         local.events += 1
         if event == "c_call":
             local.c_start, local.c_wall, local.c_events = time.thread_time(), time.perf_counter(), local.events
+            if local.schedstat is not None and releases_gil(arg):  # where a stretch may end: the scheduler's counts
+                local.c_sched = local.schedstat.read()
         elif event in ("c_return", "c_exception"):
             now = time.thread_time()
             releases = releases_gil(arg)
             if releases == "yes" or (releases and time.perf_counter() - local.c_wall > BLOCKED_AFTER):
                 where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
                 self._close(local, local.c_start, local.c_events, where)  # it ended as the call let the GIL go
-                local.start, local.events, local.began = now, 0, where
+                local.sched = local.schedstat.read() if local.schedstat is not None else None
+                local.start, local.events, local.began = time.thread_time(), 0, where
                 local.wall, local.collections = time.perf_counter(), self.collections_here()
             elif self.recording and now - local.c_start > self.longest_c_call["cpu_s"]:
                 owner = getattr(arg, "__self__", None)
@@ -213,9 +243,16 @@ class Holds:
             self.with_collection += collected
             sites = (local.began, where)
             self.by_sites[sites] = max(held, self.by_sites.get(sites, 0.0))
+            wall = local.c_wall - local.wall  # from its start to the call that let the GIL go
+            runnable = None
+            if local.sched is not None and local.c_sched is not None:
+                runnable = max(0.0, (local.c_sched[1] - local.sched[1]) / 1e9)  # on the run queue, the GIL held
+                self.over_1ms_wall += wall > 1e-3
+                self.over_1ms_on_core += wall - runnable > 1e-3
             stretch = {
                 "cpu_s": held,
-                "wall_s": local.c_wall - local.wall,  # from its start to the call that let the GIL go
+                "wall_s": wall,
+                "runnable_s": runnable,
                 "thread": threading.current_thread().name,
                 "events": events,
                 "from": local.began,
@@ -379,6 +416,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "over_1ms": holds.over_1ms,
             "over_1ms_with_collection": holds.over_1ms_with_collection,
             "with_collection": holds.with_collection,
+            "over_1ms_wall": holds.over_1ms_wall,
+            "over_1ms_on_core": holds.over_1ms_on_core,
             "longest": holds.longest,
             "longest_without_collection": holds.longest_without_collection,
             "longest_c_call": holds.longest_c_call,
@@ -485,6 +524,26 @@ def render(result: dict[str, Any]) -> list[str]:
                 f"{alone['cpu_s'] * 1e3:.3f} ms CPU, "
                 f"{alone.get('wall_s', 0.0) * 1e3:.3f} ms wall ({alone.get('thread', '-')}, from {alone.get('from')} "
                 f"to {alone.get('to')}); the longest in all {holds['longest'].get('wall_s', 0.0) * 1e3:.3f} ms wall"
+            )
+    scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
+    if scheduled:
+        lines += [
+            "",
+            "The scheduler's share (`/proc/thread-self/schedstat`, read where a stretch starts and where it may end): "
+            "stretches over 1 ms of wall time, and of them those still over 1 ms without the time the thread was "
+            "runnable but waiting for a core (it held the GIL meanwhile, so that wait is the machine's share of the "
+            "pause); the longest stretch's wall time and its time runnable:",
+            "",
+        ]
+        for row in scheduled:
+            holds = row["background_holds"]
+            longest = holds["longest"]
+            runnable = longest.get("runnable_s")
+            waited = f"{runnable * 1e3:.3f} ms runnable" if runnable is not None else "runnable time not read"
+            lines.append(
+                f"- round {row['round']}: {holds['over_1ms_wall']} over 1 ms of wall time, {holds['over_1ms_on_core']} "
+                f"of them over 1 ms without their time runnable; the longest, {longest.get('wall_s', 0.0) * 1e3:.3f} "
+                f"ms wall, {waited}"
             )
     return lines
 

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.proc import load_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -45,8 +47,65 @@ def test_a_stretch_that_ran_a_garbage_collection_is_counted_apart_and_the_longes
         gc.callbacks.remove(collections.callback)
     assert holds.stretches == 3 and holds.with_collection == 1
     assert holds.longest_without_collection["garbage_collection"] is False
-    assert holds.longest_without_collection["from"] in ("thread start", "test_bench_step_pauses.py:32")
+    assert holds.longest_without_collection["from"] in ("thread start", "test_bench_step_pauses.py:34")
     collected = [s for s in (holds.longest, holds.longest_without_collection) if s["garbage_collection"]]
-    assert all(s["from"] == "test_bench_step_pauses.py:34" for s in collected)
+    assert all(s["from"] == "test_bench_step_pauses.py:36" for s in collected)
     assert collections.on_this_thread() == 0  # the collection ran on the other thread
     assert holds.longest["wall_s"] >= 0.0 and holds.longest["thread"] == "ddp_strategy-test"
+
+
+def test_a_stretch_counts_the_time_its_thread_waited_for_a_core_while_it_held_the_gil(tmp_path):
+    """A busy process pinned to the same core as the stretch's thread: part of the stretch's wall time is runnable.
+
+    The scheduler's counts are read where a stretch starts and where it ends; a stretch whose wall time is over 1 ms
+    only because its thread waited for a core is counted over 1 ms of wall time, not over 1 ms on its core.
+    """
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity") or pauses.SchedStat().read() is None:
+        pytest.skip("needs Linux's per-thread affinity and /proc/thread-self/schedstat")
+    core = min(os.sched_getaffinity(0))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    holds = pauses.Holds(event_cost=0.0)
+    holds.recording = True
+
+    def run() -> None:
+        os.sched_setaffinity(0, {core})  # this thread only
+        sys.setprofile(holds.profile)
+        try:
+            time.sleep(0)
+            deadline = time.perf_counter() + 0.05
+            while time.perf_counter() < deadline:  # 50 ms of Python, sharing the core with the busy process
+                pass
+            time.sleep(0)
+        finally:
+            sys.setprofile(None)
+
+    try:
+        os.sched_setaffinity(busy.pid, {core})
+        time.sleep(0.2)  # the busy process is on the core
+        thread = threading.Thread(target=run, name="ddp_strategy-test")
+        thread.start()
+        thread.join()
+    finally:
+        busy.kill()
+        busy.wait()
+    longest = holds.longest
+    assert longest["wall_s"] >= 0.05
+    assert 0.005 < longest["runnable_s"] < longest["wall_s"]  # shared the core: runnable a good part of the time
+    assert holds.over_1ms_wall >= 1 and holds.over_1ms_on_core <= holds.over_1ms_wall
+
+
+def test_the_schedulers_counts_of_a_thread_grow_with_its_work():
+    counts = pauses.SchedStat()
+    before = counts.read()
+    if before is None:
+        pytest.skip("no /proc/thread-self/schedstat here")
+    deadline = time.thread_time() + 0.02
+    while time.thread_time() < deadline:
+        pass
+    on_core, runnable = counts.read()
+    assert on_core - before[0] >= 15_000_000  # 20 ms of this thread's CPU, in ns
+    assert runnable >= before[1]

@@ -191,10 +191,13 @@ class Holds:
         self.over_1ms = 0
         self.over_1ms_with_collection = 0
         self.with_collection = 0  # stretches that ran a garbage collection, of any length
-        #: stretches over 1 ms of wall time, and of those the ones still over 1 ms without their time on the run queue
-        #: (runnable, waiting for a core while holding the GIL: the machine's share of the pause)
+        #: stretches over 1 ms of wall time, and those over 1 ms on a core by the scheduler's count. A stretch's wall
+        #: time is its time on a core, its time runnable (waiting for a core: preempted while it held the GIL, or
+        #: woken to take the GIL back) and the rest (asleep inside a call that let the GIL go unseen, e.g. waiting to
+        #: take it back); only the time on a core is certainly the GIL held
         self.over_1ms_wall = 0
         self.over_1ms_on_core = 0
+        self.longest_by_wall: dict[str, Any] = {"wall_s": 0.0}
         self.longest_c_call: dict[str, Any] = {"cpu_s": 0.0}
         #: the longest stretch between each pair of sites (from, to) that let the GIL go: which work holds it how long
         self.by_sites: dict[tuple[str, str], float] = {}
@@ -244,14 +247,16 @@ class Holds:
             sites = (local.began, where)
             self.by_sites[sites] = max(held, self.by_sites.get(sites, 0.0))
             wall = local.c_wall - local.wall  # from its start to the call that let the GIL go
-            runnable = None
+            on_core = runnable = None
             if local.sched is not None and local.c_sched is not None:
-                runnable = max(0.0, (local.c_sched[1] - local.sched[1]) / 1e9)  # on the run queue, the GIL held
+                on_core = max(0.0, (local.c_sched[0] - local.sched[0]) / 1e9)
+                runnable = max(0.0, (local.c_sched[1] - local.sched[1]) / 1e9)  # waiting for a core
                 self.over_1ms_wall += wall > 1e-3
-                self.over_1ms_on_core += wall - runnable > 1e-3
+                self.over_1ms_on_core += on_core > 1e-3
             stretch = {
                 "cpu_s": held,
                 "wall_s": wall,
+                "on_core_s": on_core,
                 "runnable_s": runnable,
                 "thread": threading.current_thread().name,
                 "events": events,
@@ -261,6 +266,8 @@ class Holds:
             }
             if held > self.longest["cpu_s"]:
                 self.longest = stretch
+            if wall > self.longest_by_wall["wall_s"]:
+                self.longest_by_wall = stretch
             if not collected and held > self.longest_without_collection["cpu_s"]:
                 self.longest_without_collection = stretch
 
@@ -418,6 +425,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "with_collection": holds.with_collection,
             "over_1ms_wall": holds.over_1ms_wall,
             "over_1ms_on_core": holds.over_1ms_on_core,
+            "longest_by_wall": holds.longest_by_wall,
             "longest": holds.longest,
             "longest_without_collection": holds.longest_without_collection,
             "longest_c_call": holds.longest_c_call,
@@ -529,21 +537,27 @@ def render(result: dict[str, Any]) -> list[str]:
     if scheduled:
         lines += [
             "",
-            "The scheduler's share (`/proc/thread-self/schedstat`, read where a stretch starts and where it may end): "
-            "stretches over 1 ms of wall time, and of them those still over 1 ms without the time the thread was "
-            "runnable but waiting for a core (it held the GIL meanwhile, so that wait is the machine's share of the "
-            "pause); the longest stretch's wall time and its time runnable:",
+            "The scheduler's counts (`/proc/thread-self/schedstat`, read where a stretch starts and where it may "
+            "end): stretches over 1 ms of wall time, and those over 1 ms on a core. A stretch's wall time is its "
+            "time on a core (the GIL held), its time runnable (waiting for a core: preempted while it held the GIL, "
+            "or woken to take the GIL back) and the rest (asleep in a call that let the GIL go unseen). The longest "
+            "stretch by wall time, split so:",
             "",
         ]
         for row in scheduled:
             holds = row["background_holds"]
-            longest = holds["longest"]
-            runnable = longest.get("runnable_s")
-            waited = f"{runnable * 1e3:.3f} ms runnable" if runnable is not None else "runnable time not read"
+            longest = holds["longest_by_wall"]
+            split = "the scheduler's counts not read"
+            if longest.get("runnable_s") is not None:
+                wall, on_core, runnable = longest["wall_s"], longest["on_core_s"], longest["runnable_s"]
+                split = (
+                    f"{on_core * 1e3:.3f} on a core, {runnable * 1e3:.3f} runnable, "
+                    f"{max(0.0, wall - on_core - runnable) * 1e3:.3f} the rest"
+                )
             lines.append(
                 f"- round {row['round']}: {holds['over_1ms_wall']} over 1 ms of wall time, {holds['over_1ms_on_core']} "
-                f"of them over 1 ms without their time runnable; the longest, {longest.get('wall_s', 0.0) * 1e3:.3f} "
-                f"ms wall, {waited}"
+                f"over 1 ms on a core; the longest by wall time ({longest.get('from')} to {longest.get('to')}): "
+                f"{longest.get('wall_s', 0.0) * 1e3:.3f} ms, {split}"
             )
     return lines
 

@@ -57,8 +57,8 @@ def test_a_stretch_that_ran_a_garbage_collection_is_counted_apart_and_the_longes
 def test_a_stretch_counts_the_time_its_thread_waited_for_a_core_while_it_held_the_gil(tmp_path):
     """A busy process pinned to the same core as the stretch's thread: part of the stretch's wall time is runnable.
 
-    The scheduler's counts are read where a stretch starts and where it ends; a stretch whose wall time is over 1 ms
-    only because its thread waited for a core is counted over 1 ms of wall time, not over 1 ms on its core.
+    The scheduler's counts are read where a stretch starts and where it ends: its wall time splits into its time on a
+    core and its time runnable (waiting for one).
     """
     import os
     import subprocess
@@ -92,10 +92,11 @@ def test_a_stretch_counts_the_time_its_thread_waited_for_a_core_while_it_held_th
     finally:
         busy.kill()
         busy.wait()
-    longest = holds.longest
+    longest = holds.longest_by_wall
     assert longest["wall_s"] >= 0.05
     assert 0.005 < longest["runnable_s"] < longest["wall_s"]  # shared the core: runnable a good part of the time
-    assert holds.over_1ms_wall >= 1 and holds.over_1ms_on_core <= holds.over_1ms_wall
+    assert 0.005 < longest["on_core_s"] < longest["wall_s"] - longest["runnable_s"] + 0.002
+    assert holds.over_1ms_wall >= 1 and holds.over_1ms_on_core >= 1
 
 
 def test_the_schedulers_counts_of_a_thread_grow_with_its_work():

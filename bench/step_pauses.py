@@ -191,10 +191,10 @@ class Holds:
         self.over_1ms = 0
         self.over_1ms_with_collection = 0
         self.with_collection = 0  # stretches that ran a garbage collection, of any length
-        #: stretches over 1 ms of wall time, and those over 1 ms on a core by the scheduler's count. A stretch's wall
-        #: time is its time on a core, its time runnable (waiting for a core: preempted while it held the GIL, or
-        #: woken to take the GIL back) and the rest (asleep inside a call that let the GIL go unseen, e.g. waiting to
-        #: take it back); only the time on a core is certainly the GIL held
+        #: stretches over 1 ms of wall time, and those over 1 ms on a core by the scheduler's count, both less the
+        #: profile function's own CPU. A stretch's wall time is its time on a core, its time runnable (waiting for a
+        #: core: preempted while it held the GIL, or woken to take the GIL back) and the rest (asleep inside a call
+        #: that let the GIL go unseen, e.g. waiting to take it back); only the time on a core is certainly the GIL held
         self.over_1ms_wall = 0
         self.over_1ms_on_core = 0
         self.longest_by_wall: dict[str, Any] = {"wall_s": 0.0}
@@ -249,9 +249,10 @@ class Holds:
             wall = local.c_wall - local.wall  # from its start to the call that let the GIL go
             on_core = runnable = None
             if local.sched is not None and local.c_sched is not None:
-                on_core = max(0.0, (local.c_sched[0] - local.sched[0]) / 1e9)
+                profiling = self.event_cost * events  # the profile function's own CPU, on a core and in the wall time
+                on_core = max(0.0, (local.c_sched[0] - local.sched[0]) / 1e9 - profiling)
                 runnable = max(0.0, (local.c_sched[1] - local.sched[1]) / 1e9)  # waiting for a core
-                self.over_1ms_wall += wall > 1e-3
+                self.over_1ms_wall += wall - profiling > 1e-3
                 self.over_1ms_on_core += on_core > 1e-3
             stretch = {
                 "cpu_s": held,
@@ -266,8 +267,8 @@ class Holds:
             }
             if held > self.longest["cpu_s"]:
                 self.longest = stretch
-            if wall > self.longest_by_wall["wall_s"]:
-                self.longest_by_wall = stretch
+            if wall - self.event_cost * events > self.longest_by_wall.get("wall_less_profiling_s", 0.0):
+                self.longest_by_wall = {**stretch, "wall_less_profiling_s": wall - self.event_cost * events}
             if not collected and held > self.longest_without_collection["cpu_s"]:
                 self.longest_without_collection = stretch
 
@@ -538,7 +539,8 @@ def render(result: dict[str, Any]) -> list[str]:
         lines += [
             "",
             "The scheduler's counts (`/proc/thread-self/schedstat`, read where a stretch starts and where it may "
-            "end): stretches over 1 ms of wall time, and those over 1 ms on a core. A stretch's wall time is its "
+            "end): stretches over 1 ms of wall time, and those over 1 ms on a core, both less the profile function's "
+            "own CPU (its calibrated cost per event). A stretch's wall time is its "
             "time on a core (the GIL held), its time runnable (waiting for a core: preempted while it held the GIL, "
             "or woken to take the GIL back) and the rest (asleep in a call that let the GIL go unseen). The longest "
             "stretch by wall time, split so:",
@@ -549,7 +551,8 @@ def render(result: dict[str, Any]) -> list[str]:
             longest = holds["longest_by_wall"]
             split = "the scheduler's counts not read"
             if longest.get("runnable_s") is not None:
-                wall, on_core, runnable = longest["wall_s"], longest["on_core_s"], longest["runnable_s"]
+                wall, on_core = longest["wall_less_profiling_s"], longest["on_core_s"]
+                runnable = longest["runnable_s"]
                 split = (
                     f"{on_core * 1e3:.3f} on a core, {runnable * 1e3:.3f} runnable, "
                     f"{max(0.0, wall - on_core - runnable) * 1e3:.3f} the rest"
@@ -557,7 +560,7 @@ def render(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"- round {row['round']}: {holds['over_1ms_wall']} over 1 ms of wall time, {holds['over_1ms_on_core']} "
                 f"over 1 ms on a core; the longest by wall time ({longest.get('from')} to {longest.get('to')}): "
-                f"{longest.get('wall_s', 0.0) * 1e3:.3f} ms, {split}"
+                f"{longest.get('wall_less_profiling_s', 0.0) * 1e3:.3f} ms, {split}"
             )
     return lines
 

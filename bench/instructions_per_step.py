@@ -202,7 +202,7 @@ KINDS = {
 }
 LABELS = {
     "stock": "stock `DDPStrategy()`",
-    "stock_recorder": "stock, recorder at 32",
+    "stock_recorder": "stock, strategy's ring",
     "safe": "`SafeDDPStrategy()`",
     "safe_no_recorder": "safe, recorder off",
 }
@@ -261,11 +261,13 @@ def render(result: dict[str, Any]) -> list[str]:
         f"calls), and slowed rank 0 down: a window lasted {min(windows):.0f} to {max(windows):.0f} s, so the other "
         "threads, which wake by the clock, did many times more of their work per step than natively.",
     ]
+    ring = result.get("trace_entries", 32)  # the strategy's ring (32 until 2026-11-29, when runs did not record it)
     if "stock_recorder" in variants or "safe_no_recorder" in variants:
         lines[0] += (
-            " Stock runs torch's Flight Recorder at torch's default size, 2000 entries, and `SafeDDPStrategy()` at 32. "
-            "Variants: stock with the recorder at 32 entries (`stock, recorder at 32`), `SafeDDPStrategy()` with it "
-            "off by `TORCH_FR_BUFFER_SIZE=0`, its desync monitor with it (`safe, recorder off`)."
+            f" Stock runs torch's Flight Recorder at torch's default size, 2000 entries, and `SafeDDPStrategy()` at "
+            f"{ring}. Variants: stock with the recorder at {ring} entries (`stock, strategy's ring`), "
+            "`SafeDDPStrategy()` with it off by `TORCH_FR_BUFFER_SIZE=0`, its desync monitor with it (`safe, "
+            "recorder off`)."
         )
     if any("recorder" in row for row in result["modes"].values()):
         lines[0] += (
@@ -327,7 +329,10 @@ def main() -> None:
                     fits.setdefault(f"{variant}-{mode}", []).append(fit)
                     print(f"seed {seed} {variant} {mode}: {fit['training']:,.0f} per step", flush=True)
     seeds = list(range(args.seeds))
-    result = {"steps": args.steps, "warmup": WARMUP, "seeds": seeds, "fits": fits, "modes": analyse(fits), **machine()}
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+
+    result = {"steps": args.steps, "warmup": WARMUP, "seeds": seeds, "fits": fits, "modes": analyse(fits)}
+    result.update(trace_entries=TRACE_ENTRIES, **machine())
     write(args.results_dir, args.name, result, render(result))
 
 

@@ -14,8 +14,8 @@ random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
 * ``safe``: ``SafeDDPStrategy()`` at its defaults;
 
 and, for diagnosis (``--variants``, any of them in a group): ``stock_again`` (a second stock fit, as ``--aa`` runs),
-``stock_recorder`` (stock with torch's Flight Recorder at the size ``SafeDDPStrategy`` gives it, 32 entries; stock
-runs it at torch's default, 2000) and
+``stock_recorder`` (stock with torch's Flight Recorder at the size ``SafeDDPStrategy`` gives it, ``TRACE_ENTRIES``;
+stock runs it at torch's default, 2000) and
 ``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``);
 each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
@@ -90,7 +90,7 @@ LABELS = {
     "stock_again": "Lightning DDPStrategy(), again (A/A)",
     "safe": "SafeDDPStrategy()",
     "safe_bare": "SafeDDPStrategy(), the safe_bare variant",
-    "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder at 32 entries",
+    "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder at the strategy's size",
 }
 #: the ``stock_recorder`` variant's environment: torch's Flight Recorder (on by default, 2000 entries) at the size
 #: SafeDDPStrategy gives it

@@ -153,9 +153,9 @@ def test_every_variant_is_paired_with_stock_on_each_part_of_the_training_thread(
          "machine": {"platform": "p", "torch": "t", "lightning": "l"}}
     )  # fmt: skip
     header = (
-        "| mode | threads | stock `DDPStrategy()` | stock, recorder at 32 | `SafeDDPStrategy()` | safe, recorder off | "
-        "added by stock, recorder at 32 | stock_recorder/stock | added by `SafeDDPStrategy()` | safe/stock | "
-        "added by safe, recorder off | safe_no_recorder/stock |"
+        "| mode | threads | stock `DDPStrategy()` | stock, strategy's ring | `SafeDDPStrategy()` | "
+        "safe, recorder off | added by stock, strategy's ring | stock_recorder/stock | "
+        "added by `SafeDDPStrategy()` | safe/stock | added by safe, recorder off | safe_no_recorder/stock |"
     )
     assert header in lines
     assert (

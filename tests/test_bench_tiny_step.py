@@ -210,7 +210,7 @@ def test_own_cpu_per_step_adds_the_strategy_threads_cpu_at_the_fits_step_rate_to
 
 
 def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(monkeypatch, tmp_path):
-    """``--variants``: stock with the recorder at 32 entries, safe without background work, in the same rounds."""
+    """``--variants``: stock with the strategy's recorder size, safe without background work, in the same rounds."""
     from ddp_strategy.collective_record import TRACE_ENTRIES
 
     variants = ["stock", "stock_recorder", "safe", "safe_bare"]
@@ -243,7 +243,7 @@ def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(
     text = tiny.markdown(full_run({**config, "bare_kwargs": {"desync_detection": False}}, base + extra), analysis)
     assert "the 4 variants' `torchrun` jobs" in text
     assert "The safe_bare variant: `SafeDDPStrategy(**{'desync_detection': False})`." in text
-    assert "| nolog | Lightning DDPStrategy(), torch's Flight Recorder at 32 entries |" in text
+    assert "| nolog | Lightning DDPStrategy(), torch's Flight Recorder at the strategy's size |" in text
 
 
 def test_thread_sched_counts_read_this_threads_scheduler_counts():

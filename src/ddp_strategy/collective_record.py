@@ -38,10 +38,12 @@ __all__ = [
     "first_published_difference",
 ]
 
-#: Collectives the Flight Recorder keeps (its ring buffer), unless the user set ``TORCH_FR_BUFFER_SIZE``. A dump
-#: holds the GIL for its whole length, about 5 us per entry with stacks and up to 15-30 us in a loaded training
-#: process: 32 entries keep it under 1 ms (bench/results/step_pauses.json).
-TRACE_ENTRIES = 32
+#: Collectives the Flight Recorder keeps (its ring buffer; torch's default is 2000), unless the user set
+#: ``TORCH_FR_BUFFER_SIZE``. A dump holds the GIL for its whole length, in proportion to the entries: 32 took
+#: 0.45-0.7 ms in a loaded training process and up to 1.06 ms (bench/results/step_pauses-intel-sched-97770d8.json),
+#: 16 take half. The audit's coverage per CPU second is the same at any size (it dumps as often as its CPU budget
+#: allows), and an inquiry's report adds the calls earlier audits kept (REPORT_CALLS).
+TRACE_ENTRIES = 16
 #: Collectives per process group a rank puts in its report (the newest): the recorder's, and those its audits kept.
 REPORT_CALLS = 256
 #: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.

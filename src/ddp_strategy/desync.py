@@ -3,7 +3,7 @@
 DDP is correct only when every rank makes the same collective calls in the same order. torch's Flight Recorder
 (:func:`~ddp_strategy._compat.torch.collective_trace`) numbers every collective of every process group per rank
 and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. torch runs it by default (2000 entries); the
-strategy keeps 32 (a dump costs in proportion to the entries), and :class:`DesyncMonitor`, on each rank's heartbeat
+strategy keeps 16 (a dump costs in proportion to the entries), and :class:`DesyncMonitor`, on each rank's heartbeat
 thread, uses it in two steps:
 
 1. **Watch, cheaply.** Each beat looks whether the training thread moved on since the last beat (a new training

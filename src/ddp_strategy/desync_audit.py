@@ -42,7 +42,7 @@ __all__ = ["AUDIT_CPU_SHARE", "RecorderAudit"]
 #: The share of one CPU the audit's dumps may take on average (1e-4: 100 us per second).
 AUDIT_CPU_SHARE = 1e-4
 _AUDIT_KEY = "desync/audit/{rank}"
-_PARSED_AT_ONCE = 16  # entries parsed between two short sleeps (the GIL let go)
+_PARSED_AT_ONCE = 4  # entries parsed between two short sleeps (the GIL let go): 0.1-0.4 ms of a loaded CPU
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 

@@ -1285,3 +1285,32 @@ def test_where_safes_added_instructions_go_is_the_result_files():
     assert batch_start + step + loop + added["strategy.py:283(post_backward)"] == pytest.approx(sum(added.values()))
     assert f"about {round(loop / 24)} bytecodes" in text  # four callbacks, six per-batch hooks
     assert f"an estimated {round(loop * 18 / 24, -1):.0f} bytecodes fewer" in text
+
+
+@pytest.mark.parametrize(
+    ("run", "label"),
+    [("step_pauses-intel-sched-97770d8", "ring of 32"), ("step_pauses-intel-ring16-b98ada2", "ring of 16")],
+)
+def test_step_pauses_split_by_the_scheduler_is_the_result_file(run: str, label: str):
+    """bench/README.md's table of the background stretches split by the scheduler's counts, per run and round."""
+    fits = result(run)["fits"]
+    for fit in (f for f in fits if f["variant"] == "safe"):
+        holds = fit["background_holds"]
+        longest = holds["longest_by_wall"]
+        wall, on_core, runnable = longest["wall_less_profiling_s"], longest["on_core_s"], longest["runnable_s"]
+        assert max(0.0, wall - on_core - runnable) < 0.0005  # "the rest" shows as 0.000
+        assert on_core < 1e-3
+        row = (
+            f"| {label} | {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
+            f"{holds['over_1ms_on_core']} | {holds['longest']['cpu_s'] * 1e3:.3f} | "
+            f"{holds['longest_c_call']['cpu_s'] * 1e3:.3f} | "
+            f"{wall * 1e3:.3f} ({on_core * 1e3:.3f} / {runnable * 1e3:.3f}) |"
+        )
+        assert_on("bench/README.md", row)
+    if label == "ring of 16":
+        safe = [f for f in fits if f["variant"] == "safe"]
+        stock = [f for f in fits if f["variant"] == "stock"]
+        gaps = "safe {} and {} ms against stock's {} and {}".format(
+            *(f"{f['hook_gaps']['p999_s'] * 1e3:.3f}" for f in (*safe, *stock))
+        )
+        assert_on("bench/README.md", f"The step-hook gaps, 99.9th percentile: {gaps}")

@@ -39,10 +39,11 @@ __all__ = [
 ]
 
 #: Collectives the Flight Recorder keeps (its ring buffer; torch's default is 2000), unless the user set
-#: ``TORCH_FR_BUFFER_SIZE``. A dump holds the GIL for its whole length, in proportion to the entries: 32 took
-#: 0.45-0.7 ms in a loaded training process and up to 1.06 ms (bench/results/step_pauses-intel-sched-97770d8.json),
-#: 16 take half. The audit's coverage per CPU second is the same at any size (it dumps as often as its CPU budget
-#: allows), and an inquiry's report adds the calls earlier audits kept (REPORT_CALLS).
+#: ``TORCH_FR_BUFFER_SIZE``. A dump holds the GIL for its whole length, in proportion to the entries: with 32 it
+#: took 0.45-0.7 ms of CPU in a loaded training process, and its stretch up to 1.06 ms
+#: (bench/results/step_pauses-intel-sched-97770d8.json); by hand, 16 take half. The audit's coverage inside training
+#: steps per CPU second is the same at any size (it dumps as often as its CPU budget allows); its reads as epochs
+#: start and stages end see the last 16 calls; an inquiry's report adds the calls earlier audits kept (REPORT_CALLS).
 TRACE_ENTRIES = 16
 #: Collectives per process group a rank puts in its report (the newest): the recorder's, and those its audits kept.
 REPORT_CALLS = 256

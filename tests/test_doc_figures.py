@@ -1314,3 +1314,23 @@ def test_step_pauses_split_by_the_scheduler_is_the_result_file(run: str, label: 
             *(f"{f['hook_gaps']['p999_s'] * 1e3:.3f}" for f in (*safe, *stock))
         )
         assert_on("bench/README.md", f"The step-hook gaps, 99.9th percentile: {gaps}")
+
+
+def test_tiny_step_run_with_the_ring_of_16_is_the_result_file():
+    """bench/README.md's one tiny-step run after the ring went to 16 entries: its row and the figures quoted."""
+    data = result("tiny_step-intel-ring16-ed5b76a")
+    assert data["config"]["variants"] == ["stock", "safe", "safe_bare"]
+    assert data["config"]["bare_kwargs"] == {"desync_detection": False}
+    row = _pooled_row("`ring16` (b98ada2)", data, "safe_bare / stock", "safe / safe_bare")
+    assert_on("bench/README.md", row)
+    nolog = _ratio_row(data, "nolog", "safe / stock")["step_mean_s"]["of_medians"]
+    synced = _ratio_row(data, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+    cpu = _ratio_row(data, "nolog", "safe / safe_bare")["cpu_step_s"]["of_medians"]
+    pooled = _ratio_row(result(POOLED_RUNS["pooled, 40 rounds"]), "nolog", "safe / safe_bare")["cpu_step_s"]
+    assert_on(
+        "bench/README.md",
+        f"**Point 3 without logging is missed in this run** ({nolog:.3f})",
+        f"With the `sync_dist` log safe is {synced:.3f}.",
+        f"(CPU ratio {cpu:.3f}, against {pooled['of_medians']:.3f} pooled over the earlier runs of this configuration)",
+    )
+    assert nolog > 1.02

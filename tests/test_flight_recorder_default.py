@@ -53,3 +53,18 @@ def test_a_size_of_zero_turns_the_recorder_off_and_the_strategys_size_is_kept():
 
     assert recorded("0") == {"status": {}, "entries": 0}
     assert recorded(str(TRACE_ENTRIES))["entries"] == TRACE_ENTRIES
+
+
+def test_the_docs_give_the_strategys_ring_size_and_torchs_default():
+    """docs/diagnostics.md and docs/architecture.md state the ring the strategy sets and torch's default."""
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+    from tests.proc import ROOT
+
+    diagnostics = " ".join((ROOT / "docs/diagnostics.md").read_text().split())
+    architecture = " ".join((ROOT / "docs/architecture.md").read_text().split())
+    assert f"`TORCH_FR_BUFFER_SIZE={TRACE_ENTRIES}` unless you set it" in diagnostics
+    assert f"it keeps the {TRACE_ENTRIES} newest calls" in diagnostics
+    assert f"the last {TRACE_ENTRIES} before every training epoch starts" in diagnostics
+    assert "a ring of 2000 entries on torch 2.13 and 2.14" in diagnostics
+    assert f"Chosen: the ring keeps {TRACE_ENTRIES} entries (`TRACE_ENTRIES`" in architecture
+    assert f"half of its {TRACE_ENTRIES} entries new" in architecture

@@ -1233,6 +1233,10 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     assert f"{sum(r <= 1.02 for r in nolog)} of 8 at most 1.02" in row
     assert f"{synced[0]:.3f} to {synced[-1]:.3f} with `self.log(..., sync_dist=True)`" in row
     assert "#eight-runs-of-one-package-code-pooled-by-configuration-and-the-step-split-by-the-scheduler" in row
+    added = result("instructions_per_step-recorder-77f4468")["modes"]["nolog"]["training"]["ratio"]
+    assert f"add {(added - 1) * 100:.2f}% to the training thread's instructions" in row
+    ring16 = _ratio_row(result("tiny_step-intel-ring16-ed5b76a"), "nolog", "safe / stock")["step_mean_s"]
+    assert f"{ring16['of_medians']:.3f} with the ring of 16" in row
 
 
 def test_where_safes_added_instructions_go_is_the_result_files():

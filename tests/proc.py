@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -84,6 +85,8 @@ def _start(
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
+    # Lightning's launcher would pick a port by bind(0), inside the ephemeral range: see _worker_ports
+    full_env.setdefault("MASTER_PORT", str(free_port()))
     private_tmp = Path(tempfile.mkdtemp(prefix="proc-torchrun-")) if "torch.distributed.run" in args else None
     if private_tmp is not None:
         full_env["TMPDIR"] = str(private_tmp)
@@ -196,11 +199,57 @@ def run_scenario(
     return run_script(args, timeout=timeout, out=out, env=env)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections and ``bind(0)`` (32768 unless configured)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _worker_ports() -> list[int]:
+    """This pytest worker's share of the ports below the ephemeral range, rotated to a random start.
+
+    Below the ephemeral range no outgoing connection (another run's gloo or store client) can take a port between
+    its pick and the rendezvous store's ``bind``: that race failed CI once, with Lightning's own pick (a
+    ``bind(0)`` port) taken by the time rank 0 listened, while nine runs started at once. The pytest-xdist workers
+    take disjoint shares, so two workers never pick the same port.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    high = _ephemeral_low()
+    share = list(range(max(1024, high - 12000) + worker, high, workers))
+    start = random.randrange(len(share))
+    return share[start:] + share[:start]
+
+
+_PORTS = _worker_ports()
+_PORTS_LOCK = threading.Lock()
+_next_port = 0
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, below the ephemeral range and new to this worker (for a rendezvous).
+
+    A port is skipped while anything is bound to it, including a socket of an earlier run still in ``TIME_WAIT``
+    (the check binds without ``SO_REUSEADDR``).
+
+    Raises:
+        AssertionError: every port of this worker's share is in use.
+
+    """
+    global _next_port
+    with _PORTS_LOCK:
+        for _ in range(len(_PORTS)):
+            port = _PORTS[_next_port % len(_PORTS)]
+            _next_port += 1
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    raise AssertionError(f"all {len(_PORTS)} ports of this worker's share are in use")
 
 
 def torchrun_two_nodes(

@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc import ROOT, _group_alive, kill_group, run_script
+from tests.proc import ROOT, _group_alive, free_port, kill_group, run_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,3 +154,42 @@ def test_a_torchrun_leaves_no_torchelastic_folder_behind():
     private = Path(re.search(r"tmpdir=(\S+)", run.output).group(1))  # type: ignore[union-attr]
     assert re.search(rf"{re.escape(str(private))}/torchelastic_\w+", run.output), run.describe()
     assert private.name.startswith("proc-torchrun-") and not private.exists()
+
+
+def test_a_run_gets_a_master_port_below_the_ephemeral_range_that_no_other_pick_repeats(monkeypatch):
+    """The port a script's launcher listens on is picked by tests/proc.py, not by Lightning's ``bind(0)``.
+
+    A ``bind(0)`` port lies in the kernel's ephemeral range, where another run's outgoing connection can take it
+    before rank 0 listens (CI failed once on exactly that, ``EADDRINUSE`` in ``TCPStore``). A caller's own
+    ``MASTER_PORT`` is kept.
+    """
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    printed = [
+        run_script(["-c", "import os; print(os.environ['MASTER_PORT'])"], timeout=60).output.strip() for _ in range(3)
+    ]
+    ports = [int(port) for port in printed] + [free_port() for _ in range(50)]
+    assert all(1024 <= port < low for port in ports), ports
+    assert len(set(ports)) == len(ports), ports
+    kept = run_script(["-c", "import os; print(os.environ['MASTER_PORT'])"], timeout=60, env={"MASTER_PORT": "12345"})
+    assert kept.output.strip() == "12345"
+
+
+def test_a_port_something_listens_on_is_skipped(monkeypatch):
+    """``free_port`` binds each candidate first: one that a listener holds is passed over, the next one returned."""
+    import tests.proc as proc
+
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        free = spare.getsockname()[1]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        monkeypatch.setattr(proc, "_PORTS", [taken, free])
+        monkeypatch.setattr(proc, "_next_port", 0)
+        assert proc.free_port() == proc._PORTS[1]
+        monkeypatch.setattr(proc, "_PORTS", [taken])
+        monkeypatch.setattr(proc, "_next_port", 0)
+        with pytest.raises(AssertionError, match="all 1 ports of this worker's share are in use"):
+            proc.free_port()

@@ -16,7 +16,9 @@ random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
 and, for diagnosis (``--variants``, any of them in a group): ``stock_again`` (a second stock fit, as ``--aa`` runs),
 ``stock_recorder`` (stock with torch's Flight Recorder at the size ``SafeDDPStrategy`` gives it, ``TRACE_ENTRIES``;
 stock runs it at torch's default, 2000) and
-``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``);
+``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``; ``--bare-recorder``
+gives its jobs torch's Flight Recorder at the strategy's size too, for a ``safe_bare`` without desync detection,
+which would leave torch's default);
 each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
 
@@ -175,7 +177,7 @@ class Runner:
         cmd += ["--worker-config", json.dumps(config)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONWARNINGS"] = "ignore"
-        if variant == "stock_recorder":
+        if variant == "stock_recorder" or (variant == "safe_bare" and config.get("bare_recorder")):
             from ddp_strategy.collective_record import TRACE_ENTRIES
 
             env[RECORDER_SIZE_ENV] = str(TRACE_ENTRIES)
@@ -762,6 +764,7 @@ def pooled(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             *(config.get(name) for name in POOLED_CONFIG),
             bare,
             config.get("bare_unpinned", False),
+            config.get("bare_recorder", False),
             result["meta"].get("environment") or {},
         )
 
@@ -834,7 +837,9 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
         + (f" The safe variant: `SafeDDPStrategy(**{config['safe_kwargs']!r})`." if config.get("safe_kwargs") else "")
         + (
             f" The safe_bare variant: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`"
-            + (", gloo's worker threads without a kept Python thread state." if config.get("bare_unpinned") else ".")
+            + (", gloo's worker threads without a kept Python thread state" if config.get("bare_unpinned") else "")
+            + (", torch's Flight Recorder at the strategy's size" if config.get("bare_recorder") else "")
+            + "."
             if "safe_bare" in variants_of(config)
             else ""
         )
@@ -985,6 +990,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="diagnosis: the safe_bare variant does not give gloo's worker threads a kept Python thread state",
     )
+    parser.add_argument(
+        "--bare-recorder",
+        action="store_true",
+        help="diagnosis: the safe_bare variant's jobs get torch's Flight Recorder at the strategy's size",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
     parser.add_argument(
@@ -1034,6 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
         config["bare_kwargs"] = args.bare_kwargs
     if args.bare_unpinned:
         config["bare_unpinned"] = True
+    if args.bare_recorder:
+        config["bare_recorder"] = True
     if args.logs != 1:
         config["logs"] = args.logs
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")

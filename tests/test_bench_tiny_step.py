@@ -286,6 +286,44 @@ def test_step_breakdown_splits_the_mean_step_into_cpu_waiting_for_a_core_and_asl
     assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["step_breakdown"] == []  # runs before it was measured
 
 
+def test_bare_recorder_gives_safe_bare_the_strategys_ring_and_says_so(monkeypatch, tmp_path):
+    """``--bare-recorder``: safe_bare's jobs get the strategy's ring size: with desync detection off in safe_bare,
+    safe and safe_bare then differ in desync detection, not in the ring."""
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+
+    variants = ["stock", "safe", "safe_bare"]
+    config = {
+        **tiny.config_for(quick=True, rounds=None),
+        "variants": variants,
+        "bare_kwargs": {"desync_detection": False},
+        "bare_recorder": True,
+    }
+    started: dict[str, dict[str, str]] = {}
+
+    class Popen:  # what each job would be started with; nothing is started
+        def __init__(self, cmd: list[str], *, env: dict[str, str], **_: Any) -> None:
+            started[cmd[cmd.index("--variant") + 1]] = env
+
+    monkeypatch.setattr(tiny.subprocess, "Popen", Popen)
+    monkeypatch.delenv(tiny.RECORDER_SIZE_ENV, raising=False)
+    runner = object.__new__(tiny.Runner)
+    runner.config, runner.tmp, runner.address = config, tmp_path, "127.0.0.1:1"
+    for variant in variants:
+        runner.launch(f"r0/nolog/{variant}", variant, "nolog")
+    assert started["safe_bare"][tiny.RECORDER_SIZE_ENV] == str(TRACE_ENTRIES)
+    assert not [v for v in ("stock", "safe") if tiny.RECORDER_SIZE_ENV in started[v]]  # safe sets its own
+    base = [f for f in fits(safe=(1.0, 1.0)) if f["variant"] != "raw"]
+    bare = [dict(f, variant="safe_bare") for f in base if f["variant"] == "stock"]
+    text = tiny.markdown(full_run(config, base + bare), tiny.analyse({"fits": base + bare}))
+    assert (
+        "The safe_bare variant: `SafeDDPStrategy(**{'desync_detection': False})`, torch's Flight Recorder at the "
+        "strategy's size." in text
+    )
+    plain = full_run({**config, "bare_recorder": False}, base + bare)
+    with pytest.raises(ValueError, match="was not run as"):
+        tiny.pooled([("ring", full_run(config, base + bare)), ("plain", plain)])
+
+
 def test_pooled_runs_keep_each_round_paired_within_its_own_run_and_refuse_other_configurations():
     """Two runs of one configuration: safe 5% over stock in the first, 1% under in the second; pooled, 20 rounds."""
     config = tiny.config_for(quick=False, rounds=None)

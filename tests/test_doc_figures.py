@@ -1338,3 +1338,78 @@ def test_tiny_step_run_with_the_ring_of_16_is_the_result_file():
         f"(CPU ratio {cpu:.3f}, against {pooled['of_medians']:.3f} pooled over the earlier runs of this configuration)",
     )
     assert nolog > 1.02
+
+
+RING16_RUNS = {
+    "`ring16` (b98ada2)": "tiny_step-intel-ring16-ed5b76a",
+    "`ring16-2`": "tiny_step-intel-ring16-2-e161607",
+    "`ring16-3`": "tiny_step-intel-ring16-3-e161607",
+    "`ring16-4`": "tiny_step-intel-ring16-4-e161607",
+    "pooled, 40 rounds": "tiny_step-intel-pooled-ring16-4-runs",
+}
+
+
+def test_tiny_step_four_runs_with_the_ring_of_16_pooled_are_the_result_files():
+    """bench/README.md's four runs at the ring of 16, their pool, and the figures quoted under the table."""
+    readme = (ROOT / "bench/README.md").read_text()
+    section = " ".join(
+        readme.split("#### The tiny-model step with the ring of 16: four runs pooled")[1].split("####")[0].split()
+    )
+    for label, name in RING16_RUNS.items():
+        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in readme, label
+    pool = result(RING16_RUNS["pooled, 40 rounds"])
+    assert [s["run"] for s in pool["pooled_from"]] == list(RING16_RUNS.values())[:-1]
+    nolog = _ratio_row(pool, "nolog", "safe / stock")["step_mean_s"]
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    assert f"**Point 3 without logging stays missed, by a hair**: {nolog['of_medians']:.3f} pooled" in section
+    assert (
+        f"(paired median {nolog['paired']['median']:.3f}; resampling runs, then rounds within them, "
+        f"[{low:.3f}, {high:.3f}])" in section
+    )
+    runs = [
+        _ratio_row(result(n), "nolog", "safe / stock")["step_mean_s"]["of_medians"]
+        for n in list(RING16_RUNS.values())[:-1]
+    ]
+    assert (
+        f"by run {min(runs):.3f} to {max(runs):.3f}, {sum(r <= 1.02 for r in runs)} of 4 at most 1.02, "
+        f"median {statistics.median(runs):.3f}" in section
+    )
+    synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+    assert f"`sync_dist` log safe is {synced:.3f} pooled" in section
+    assert nolog["of_medians"] > 1.02
+
+    def cpu(name: str, ratio: str) -> float:
+        return float(_ratio_row(result(name), "nolog", ratio)["cpu_step_s"]["of_medians"])
+
+    new = list(RING16_RUNS.values())[1:-1]
+    against_bare = ", ".join(f"{cpu(n, 'safe / safe_bare'):.3f}" for n in new[:-1])
+    assert f"{against_bare} and {cpu(new[-1], 'safe / safe_bare'):.3f} in the three new runs" in section
+    assert f"{cpu(RING16_RUNS['pooled, 40 rounds'], 'safe / safe_bare'):.3f} pooled (" in section
+    bare = [_ratio_row(result(n), "nolog", "safe_bare / stock")["step_mean_s"]["of_medians"] for n in new[1:]]
+    assert f"was itself {bare[0]:.3f} and {bare[1]:.3f} of stock" in section
+    by_run = [cpu(n, "safe / stock") for n in list(RING16_RUNS.values())[:-1]]
+    pooled_cpu = cpu(RING16_RUNS["pooled, 40 rounds"], "safe / stock")
+    assert (
+        f"safe's CPU per step is {min(by_run):.3f} to {max(by_run):.3f} of stock's by run, {pooled_cpu:.3f} pooled"
+        in section
+    )
+    assert f"`safe_bare`'s {cpu(RING16_RUNS['pooled, 40 rounds'], 'safe_bare / stock'):.3f} pooled" in section
+
+
+def test_what_merging_the_callbacks_would_save_is_the_result_file():
+    """bench/README.md's table of bench/callback_turns.py and the per-turn and merge figures."""
+    data = result("callback_turns")
+    a, measured = data["analysis"], data["measured"]
+    for name in ("stock", "safe", "merged"):
+        added = a["added_us"].get(name)
+        cell = f"{added['median']:+.2f} [{added['min']:+.2f}, {added['max']:+.2f}]" if added else "-"
+        assert_on(
+            "bench/README.md", f"| {name} | {measured['callbacks'][name]} | {a['median_us'][name]:.2f} | {cell} |"
+        )
+    assert data["rounds"] == 15 and data["calls"] == 5000 and data["repeats"] == 3
+    assert_on(
+        "bench/README.md",
+        f"A turn of a callback whose hook is skipped costs {a['per_turn_us'] * 1000:.0f} ns.",
+        f"Merging the four callbacks into one would save {a['merge_saves_us']:.2f} us",
+        f"Timed, that is worth {a['merge_saves_us']:.2f} us per step with hot caches",
+    )

@@ -11,7 +11,7 @@ import torch
 
 from ddp_strategy.checkpoint.format import verify
 from ddp_strategy.testing import truncate_checkpoint
-from tests.proc import run_scenario, stock_fit_finished
+from tests.proc import free_port, run_scenario, stock_fit_finished
 
 pytestmark = pytest.mark.multiprocess
 
@@ -388,6 +388,7 @@ def test_sigkill_while_checkpointing_every_step_never_leaves_a_bad_checkpoint(tm
         cmd += ["--max-epochs", "1000", "--every-n-train-steps", "1", "--ckpt-dir", str(ckpt), *size]
         if trial:
             cmd += ["--resume", "last"]  # fit(ckpt_path="last") from what the previous kill left
+        env["MASTER_PORT"] = str(free_port())  # as tests/proc.py gives every run (see its _worker_ports)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=log, stderr=log)
         try:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddp_strategy.checkpoint.format import verify
-from tests.proc import ROOT, SCRIPTS, Run, _group_alive, run_scenario, run_script, run_script_until
+from tests.proc import ROOT, SCRIPTS, Run, _group_alive, free_port, run_scenario, run_script, run_script_until
 from tests.test_checkpoint_multiprocess import max_abs_diff, uninterrupted_run
 
 pytestmark = pytest.mark.multiprocess
@@ -188,7 +188,7 @@ def test_torchrun_restarts_the_preempted_workers_which_resume_bit_exact(tmp_path
 def test_sigkill_during_the_preemption_save_leaves_no_bad_checkpoint(tmp_path):
     """The grace period ran out: SIGTERM to every rank, then SIGKILL to the whole job while a checkpoint file is
     being written after the signal. Every visible checkpoint verifies, and fit(ckpt_path="last") resumes."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port())}  # as tests/proc.py's runs get
     env.pop("LOCAL_RANK", None)
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, str(SCRIPTS / "scenario.py"), "fit_ok", "--out", str(tmp_path / "x.json")]

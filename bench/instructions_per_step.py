@@ -1,7 +1,7 @@
 """Instructions per training step: stock ``DDPStrategy`` and ``SafeDDPStrategy()`` on the tiny model, counted.
 
 Usage: python bench/instructions_per_step.py [--steps N] [--seeds N] [--variants V ...] [--modes M ...]
-       [--results-dir DIR] [--name NAME]
+       [--cache-sim] [--results-dir DIR] [--name NAME]
 
 Times on this shared machine move by more than the strategy's cost per step (``bench/tiny_step.py``); the number of
 machine instructions a step executes does not, to within a few thousand per step. For each strategy and logging mode
@@ -22,13 +22,18 @@ native run. Their figures compare the two strategies under the same slowdown; ``
 them natively.
 
 Where the instructions go: torch (2.13 and 2.14) runs its Flight Recorder by default, 2000 entries, so stock records
-every collective with its Python stack too; ``SafeDDPStrategy()`` sets the size to 32 (``TRACE_ENTRIES``) unless the
-user set one. ``--variants`` adds, beside ``stock`` and ``safe``, ``stock_recorder`` (stock with the recorder at the
+every collective with its Python stack too; ``SafeDDPStrategy()`` sets the size to ``TRACE_ENTRIES`` (16) unless
+the user set one. ``--variants`` adds, beside ``stock`` and ``safe``, ``stock_recorder`` (stock with the recorder at the
 strategy's size) and ``safe_no_recorder`` (``SafeDDPStrategy()`` with the recorder off by ``TORCH_FR_BUFFER_SIZE=0``,
 and with it the strategy's desync monitor, which it builds only when the recorder records). With
 ``callgrind_annotate`` on the machine, each fit's training thread is also split: the instructions inside the
 recorder's ``record`` call (its inclusive count: the entry and the Python stack it captures for every collective,
 :data:`RECORDER_RECORD`) and the rest, and the report pairs each variant with ``stock`` on both.
+
+``--cache-sim`` runs callgrind's cache simulation as well (``--cache-sim=yes``: a model of this machine's first-level
+and last-level caches, fed with every access of the simulated run) and reports the training thread's simulated
+misses per step, first level (instruction and data) and last level. A simulation, not the hardware's counters (this
+VM has none): it tells how much more memory a strategy's step touches outside the caches, not what a miss costs.
 
 Without valgrind, callgrind's header, gcc or setarch, it says which is missing and exits with status 0, writing
 nothing. Writes ``<name>.json`` and ``<name>.md`` (default ``instructions_per_step``) into ``--results-dir``
@@ -72,6 +77,11 @@ void window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
 void window_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
 """
 TOTALS = re.compile(r"^totals:\s+(\d+)", re.MULTILINE)
+#: callgrind's event names (``events:`` line) and their totals (``totals:`` line) in one thread's file
+EVENTS = re.compile(r"^events:\s+(.+)$", re.MULTILINE)
+ALL_TOTALS = re.compile(r"^totals:\s+([\d ]+)$", re.MULTILINE)
+#: the simulated misses per kind: first level (instructions, data read, data write) and last level
+MISSES = {"l1_misses": ("I1mr", "D1mr", "D1mw"), "ll_misses": ("ILmr", "DLmr", "DLmw")}
 
 
 def missing_tools() -> list[str]:
@@ -112,7 +122,7 @@ def recorder_instructions(thread_file: Path) -> int | None:
     if shutil.which("callgrind_annotate") is None:
         return None
     annotated = subprocess.run(
-        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(thread_file)],
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--show=Ir", str(thread_file)],
         capture_output=True,
         text=True,
         check=True,
@@ -159,11 +169,26 @@ def thread_totals(prefix: Path) -> dict[int, int]:
     return totals
 
 
-def run_fit(variant: str, mode: str, steps: int, seed: int, library: Path, scratch: Path) -> dict[str, Any]:
+def thread_misses(thread_file: Path) -> dict[str, int]:
+    """The simulated cache misses of one thread's callgrind file, by :data:`MISSES` kind (empty without the sim)."""
+    text = thread_file.read_text(errors="replace")
+    events, totals = EVENTS.search(text), ALL_TOTALS.search(text)
+    if events is None or totals is None:
+        return {}
+    counts = dict(zip(events.group(1).split(), map(int, totals.group(1).split()), strict=False))
+    if not all(name in counts for names in MISSES.values() for name in names):
+        return {}
+    return {kind: sum(counts[name] for name in names) for kind, names in MISSES.items()}
+
+
+def run_fit(
+    variant: str, mode: str, steps: int, seed: int, library: Path, scratch: Path, *, cache_sim: bool = False
+) -> dict[str, Any]:
     """One fit with rank 0 under callgrind; its instructions per step, training thread and other threads."""
     prefix = scratch / f"{variant}-{mode}-{seed}"
     base = "safe" if variant.startswith("safe") else "stock"
     callgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+    callgrind += ["--cache-sim=yes"] if cache_sim else []
     callgrind += [f"--callgrind-out-file={prefix}.%p"]
     worker_command = [sys.executable, str(Path(__file__).resolve()), "--worker", base, mode]
     worker_command += ["--steps", str(steps), "--library", str(library), "--root", str(scratch / "root")]
@@ -181,7 +206,9 @@ def run_fit(variant: str, mode: str, steps: int, seed: int, library: Path, scrat
     training = totals.pop(1)
     window_s = float((scratch / "root" / "window_s").read_text())
     fit = {"training": training / steps, "other_threads": sum(totals.values()) / steps, "window_s": window_s}
-    recorder = recorder_instructions(next(prefix.parent.glob(f"{prefix.name}.*-01")))
+    training_file = next(prefix.parent.glob(f"{prefix.name}.*-01"))
+    fit.update({kind: count / steps for kind, count in thread_misses(training_file).items()})
+    recorder = recorder_instructions(training_file)
     if recorder is not None:
         fit["recorder"] = recorder / steps
         fit["training_less_recorder"] = (training - recorder) / steps
@@ -199,6 +226,8 @@ KINDS = {
     "recorder": "of it, the recorder's `record`",
     "training_less_recorder": "of it, the rest",
     "other_threads": "other threads",
+    "l1_misses": "training thread's first-level cache misses (simulated)",
+    "ll_misses": "training thread's last-level cache misses (simulated)",
 }
 LABELS = {
     "stock": "stock `DDPStrategy()`",
@@ -274,6 +303,11 @@ def render(result: dict[str, Any]) -> list[str]:
             " The training thread is split into the recorder's `record` calls (inclusive: the entry and the Python "
             "stack it captures per collective) and the rest."
         )
+    if any(kind in row for row in result["modes"].values() for kind in MISSES):
+        lines[0] += (
+            " Callgrind's cache simulation ran too (`--cache-sim=yes`): the rows of cache misses count the training "
+            "thread's simulated misses per step (first level: instruction and data; last level), not instructions."
+        )
     header = ["mode", "threads", *(LABELS[v] for v in variants)]
     for v in others:
         header += [f"added by {LABELS[v]}", f"{v}/stock"]
@@ -303,6 +337,9 @@ def main() -> None:
         "--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS, help="stock is always run"
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--cache-sim", action="store_true", help="callgrind's cache simulation too: the training thread's misses"
+    )
     parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--name", default="instructions_per_step", help="results file name, no suffix")
     parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
@@ -325,7 +362,7 @@ def main() -> None:
         for seed in range(args.seeds):
             for mode in [m for m in MODES if m in args.modes]:
                 for variant in variants:
-                    fit = run_fit(variant, mode, args.steps, seed, library, Path(scratch))
+                    fit = run_fit(variant, mode, args.steps, seed, library, Path(scratch), cache_sim=args.cache_sim)
                     fits.setdefault(f"{variant}-{mode}", []).append(fit)
                     print(f"seed {seed} {variant} {mode}: {fit['training']:,.0f} per step", flush=True)
     seeds = list(range(args.seeds))

@@ -116,7 +116,8 @@ def test_the_recorders_instructions_are_its_outermost_record_call(monkeypatch, t
     monkeypatch.setattr(instructions.shutil, "which", lambda tool: f"/usr/bin/{tool}")
     monkeypatch.setattr(instructions.subprocess, "run", annotate)
     assert instructions.recorder_instructions(tmp_path / "safe-nolog-0.1-01") == 2_008_002
-    assert calls == [["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(tmp_path / "safe-nolog-0.1-01")]]
+    command = ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--show=Ir"]  # Ir only, with --cache-sim too
+    assert calls == [[*command, str(tmp_path / "safe-nolog-0.1-01")]]
     # a thread that recorded nothing, and a machine without the annotation tool
     monkeypatch.setattr(instructions.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "Ir\n"})())
     assert instructions.recorder_instructions(tmp_path / "x-01") == 0
@@ -171,3 +172,32 @@ def test_every_variant_is_paired_with_stock_on_each_part_of_the_training_thread(
 def test_a_mode_without_stock_fits_is_refused():
     with pytest.raises(ValueError, match="mode 'nolog' has no stock fits to compare with"):
         instructions.analyse({"safe-nolog": [split_fit(1, 0)]})
+
+
+def test_the_cache_simulations_misses_are_read_per_kind_and_reported_as_misses(tmp_path):
+    """``--cache-sim``: a thread file's I1/D1 and LL miss totals, summed per kind; a file without them gives none."""
+    simulated = tmp_path / "safe-nolog-0.1-01"
+    simulated.write_text(
+        "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\nsummary: 0\ntotals: 4000000 900 800 30 20 10 3 2 1\n"
+    )
+    assert instructions.thread_misses(simulated) == {"l1_misses": 60, "ll_misses": 6}
+    plain = tmp_path / "safe-nolog-0.1-02"
+    plain.write_text("events: Ir\nsummary: 0\ntotals: 4000000\n")
+    assert instructions.thread_misses(plain) == {}
+    assert instructions.thread_totals(tmp_path / "safe-nolog-0") == {1: 4_000_000, 2: 4_000_000}  # Ir: the first
+
+    def fit(training: float, l1: float, ll: float) -> dict[str, float]:
+        return {"training": training, "other_threads": 0.0, "window_s": 1.0, "l1_misses": l1, "ll_misses": ll}
+
+    modes = instructions.analyse(
+        {"stock-nolog": [fit(4e6, 9_000, 300)] * 3, "safe-nolog": [fit(4.03e6, 9_600, 420)] * 3}
+    )
+    assert modes["nolog"]["ll_misses"]["added"] == pytest.approx(120)
+    fits = {"stock-nolog": [fit(4e6, 9_000, 300)], "safe-nolog": [fit(4.03e6, 9_600, 420)]}
+    lines = instructions.render(
+        {"steps": 100, "warmup": 40, "seeds": [0, 1, 2], "modes": modes, "fits": fits, "date": "d",
+         "machine": {"platform": "p", "torch": "t", "lightning": "l"}}
+    )  # fmt: skip
+    assert "rows of cache misses count the training thread's simulated misses per step" in lines[0]
+    row = "| nolog | training thread's last-level cache misses (simulated) | 0.3k [0.3k - 0.3k] | 0.4k [0.4k - 0.4k] |"
+    assert any(line.startswith(row) for line in lines), lines

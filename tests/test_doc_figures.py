@@ -1413,3 +1413,50 @@ def test_what_merging_the_callbacks_would_save_is_the_result_file():
         f"Merging the four callbacks into one would save {a['merge_saves_us']:.2f} us",
         f"Timed, that is worth {a['merge_saves_us']:.2f} us per step with hot caches",
     )
+
+
+BARE_RING16_RUNS = {
+    "`bare-ring16-1`": "tiny_step-intel-bare-ring16-1-e161607",
+    "`bare-ring16-2`": "tiny_step-intel-bare-ring16-2-e161607",
+    "`bare-ring16-3`": "tiny_step-intel-bare-ring16-3-e161607",
+    "pooled, 30 rounds": "tiny_step-intel-pooled-bare-ring16-3-runs",
+}
+
+
+def test_desync_detection_at_the_same_ring_is_the_result_files():
+    """bench/README.md's three runs with safe_bare at the strategy's ring, their pool, and the figures quoted."""
+    readme = (ROOT / "bench/README.md").read_text()
+    section = " ".join(readme.split("#### Desync detection at the same ring")[1].split("####")[0].split())
+
+    def cpu(data: dict[str, Any], ratio: str) -> str:
+        return f"{_ratio_row(data, 'nolog', ratio)['cpu_step_s']['of_medians']:.3f}"
+
+    for label, name in BARE_RING16_RUNS.items():
+        data = result(name)
+        assert data["config"]["bare_kwargs"] == {"desync_detection": False} and data["config"]["bare_recorder"]
+        row = _pooled_row(label, data, "safe_bare / stock", "safe / safe_bare")[:-1]
+        cells = (cpu(data, r) for r in ("safe / stock", "safe_bare / stock", "safe / safe_bare"))
+        assert f"{row}| {' | '.join(cells)} |" in readme, label
+    pool = result(BARE_RING16_RUNS["pooled, 30 rounds"])
+    runs = [result(n) for n in list(BARE_RING16_RUNS.values())[:-1]]
+
+    def ratio(data: dict[str, Any], name: str, mode: str = "nolog") -> dict[str, Any]:
+        return dict(_ratio_row(data, mode, name)["step_mean_s"])
+
+    by_run = [ratio(r, "safe / safe_bare")["of_medians"] for r in runs]
+    assert f"0.997 pooled ({min(by_run):.3f} to {max(by_run):.3f} by run)" in section
+    assert f"{ratio(pool, 'safe / safe_bare')['of_medians']:.3f} pooled" in section
+    assert f"its training thread's CPU {cpu(pool, 'safe / safe_bare')}" in section
+    assert f"is itself {ratio(pool, 'safe_bare / stock')['of_medians']:.3f} of stock pooled" in section
+    assert f"uses {cpu(pool, 'safe_bare / stock')} of stock's CPU (safe {cpu(pool, 'safe / stock')})" in section
+    safe = [ratio(r, "safe / stock")["of_medians"] for r in runs]
+    assert f"each run {min(safe):.3f} to {max(safe):.3f} (0 of 3 at most 1.02)" in section and min(safe) > 1.02
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    paired = ratio(pool, "safe / stock")["paired"]["median"]
+    assert (
+        f"paired median {paired:.3f} pooled, 90% interval resampling runs, then rounds within them, "
+        f"[{low:.3f}, {high:.3f}]" in section
+    )
+    pooled = ratio(pool, "safe / stock")["of_medians"]
+    assert f"{pooled:.3f}, is lower than every run's" in section and pooled < min(safe)
+    assert f"safe is {ratio(pool, 'safe / stock', 'sync_dist')['of_medians']:.3f} pooled" in section

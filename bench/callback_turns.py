@@ -40,17 +40,10 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.trainer.call import _call_callback_hooks  # noqa: E402
 
-from ddp_strategy._compat.callback_hooks import skip_inherited_batch_hooks  # noqa: E402
+from ddp_strategy._compat.callback_hooks import BATCH_HOOKS, skip_inherited_batch_hooks  # noqa: E402
 
 #: The per-batch hooks Lightning runs through ``_call_callback_hooks`` in one automatic-optimization training step.
-STEP_HOOKS = (
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-    "on_train_batch_end",
-)
+STEP_HOOKS = tuple(h for h in BATCH_HOOKS if not h.startswith(("on_validation", "on_test", "on_predict")))
 #: How many callbacks each variant adds to Lightning's defaults.
 ADDED = {"stock": 0, "safe": 4, "merged": 1}
 

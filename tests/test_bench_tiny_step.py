@@ -209,16 +209,11 @@ def test_own_cpu_per_step_adds_the_strategy_threads_cpu_at_the_fits_step_rate_to
     assert tiny.analyse({"fits": fits(safe=(1.0, 1.0))})["own_cpu_per_step"] == {}  # runs before it was measured
 
 
-def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(monkeypatch, tmp_path):
-    """``--variants``: stock with the strategy's recorder size, safe without background work, in the same rounds."""
-    from ddp_strategy.collective_record import TRACE_ENTRIES
-
-    variants = ["stock", "stock_recorder", "safe", "safe_bare"]
-    config = {**tiny.config_for(quick=True, rounds=None), "variants": variants}
-    assert all(sorted(order) == sorted(variants) for g in tiny.groups(config) for order in g["orders"])
+def launched_environments(monkeypatch: Any, tmp_path: Path, config: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Per variant of ``config``, the environment its job would be started with (nothing is started)."""
     started: dict[str, dict[str, str]] = {}
 
-    class Popen:  # what each job would be started with; nothing is started
+    class Popen:
         def __init__(self, cmd: list[str], *, env: dict[str, str], **_: Any) -> None:
             started[cmd[cmd.index("--variant") + 1]] = env
 
@@ -226,8 +221,19 @@ def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(
     monkeypatch.delenv(tiny.RECORDER_SIZE_ENV, raising=False)
     runner = object.__new__(tiny.Runner)
     runner.config, runner.tmp, runner.address = config, tmp_path, "127.0.0.1:1"
-    for variant in variants:
+    for variant in config["variants"]:
         runner.launch(f"r0/nolog/{variant}", variant, "nolog")
+    return started
+
+
+def test_diagnosis_variants_run_in_one_group_with_their_own_settings_and_ratios(monkeypatch, tmp_path):
+    """``--variants``: stock with the strategy's recorder size, safe without background work, in the same rounds."""
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+
+    variants = ["stock", "stock_recorder", "safe", "safe_bare"]
+    config = {**tiny.config_for(quick=True, rounds=None), "variants": variants}
+    assert all(sorted(order) == sorted(variants) for g in tiny.groups(config) for order in g["orders"])
+    started = launched_environments(monkeypatch, tmp_path, config)
     assert started["stock_recorder"][tiny.RECORDER_SIZE_ENV] == str(TRACE_ENTRIES)
     assert not [v for v in ("stock", "safe", "safe_bare") if tiny.RECORDER_SIZE_ENV in started[v]]
 
@@ -298,18 +304,7 @@ def test_bare_recorder_gives_safe_bare_the_strategys_ring_and_says_so(monkeypatc
         "bare_kwargs": {"desync_detection": False},
         "bare_recorder": True,
     }
-    started: dict[str, dict[str, str]] = {}
-
-    class Popen:  # what each job would be started with; nothing is started
-        def __init__(self, cmd: list[str], *, env: dict[str, str], **_: Any) -> None:
-            started[cmd[cmd.index("--variant") + 1]] = env
-
-    monkeypatch.setattr(tiny.subprocess, "Popen", Popen)
-    monkeypatch.delenv(tiny.RECORDER_SIZE_ENV, raising=False)
-    runner = object.__new__(tiny.Runner)
-    runner.config, runner.tmp, runner.address = config, tmp_path, "127.0.0.1:1"
-    for variant in variants:
-        runner.launch(f"r0/nolog/{variant}", variant, "nolog")
+    started = launched_environments(monkeypatch, tmp_path, config)
     assert started["safe_bare"][tiny.RECORDER_SIZE_ENV] == str(TRACE_ENTRIES)
     assert not [v for v in ("stock", "safe") if tiny.RECORDER_SIZE_ENV in started[v]]  # safe sets its own
     base = [f for f in fits(safe=(1.0, 1.0)) if f["variant"] != "raw"]

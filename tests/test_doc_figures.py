@@ -1467,3 +1467,23 @@ def test_desync_detection_at_the_same_ring_is_the_result_files():
     pooled = ratio(pool, "safe / stock")["of_medians"]
     assert f"{pooled:.3f}, is lower than every run's" in section and pooled < min(safe)
     assert f"safe is {ratio(pool, 'safe / stock', 'sync_dist')['of_medians']:.3f} pooled" in section
+
+
+def test_the_simulated_caches_are_the_result_file():
+    """bench/README.md's table of callgrind's cache simulation: instructions and simulated misses per step."""
+    nolog = result("instructions_per_step-cache-503b4a2")["modes"]["nolog"]
+    t, l1, ll = nolog["training"], nolog["l1_misses"], nolog["ll_misses"]
+
+    def pct(row: dict[str, Any]) -> str:
+        return f"{(row['ratio'] - 1) * 100:.2f}%"
+
+    assert_on(
+        "bench/README.md",
+        f"| instructions | {_k(t['stock']['median'])} | {_k(t['safe']['median'])} | +{_k(t['added'])} ({pct(t)}) |",
+        f"| first-level cache misses (simulated) | {_k(l1['stock']['median'])} | {_k(l1['safe']['median'])} | "
+        f"+{_k(l1['added'])} ({pct(l1)}) |",
+        f"| last-level cache misses (simulated) | {_k(ll['stock']['median'])} | {_k(ll['safe']['median'])} | "
+        f"-{_k(-ll['added'])} |",
+        f"the first-level misses grow with the instructions ({pct(l1)} against {pct(t)})",
+    )
+    assert ll["added"] < 0

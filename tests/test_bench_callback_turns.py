@@ -26,14 +26,14 @@ def test_paired_differences_per_step_and_per_turn():
             "safe": [12.4e-6, 14.0e-6, 13.6e-6],  # +2.4, +2.0, +2.6 us
             "merged": [10.6e-6, 12.8e-6, 11.5e-6],  # +0.6, +0.8, +0.5 us
         },
-        "callbacks": {"stock": 0, "safe": 4, "merged": 1},
+        "callbacks": {"stock": 0, "safe": 3, "merged": 1},
         "default_callbacks": [],
     }
     a = turns.analyse(measured)
     assert a["median_us"]["stock"] == pytest.approx(11.0)
     assert a["added_us"]["safe"] == pytest.approx({"median": 2.4, "min": 2.0, "max": 2.6})
     assert a["added_us"]["merged"] == pytest.approx({"median": 0.6, "min": 0.5, "max": 0.8})
-    assert a["per_turn_us"] == pytest.approx(2.4 / 24)  # 4 callbacks x 6 hooks
+    assert a["per_turn_us"] == pytest.approx(2.4 / 18)  # 3 callbacks x 6 hooks
     assert a["merge_saves_us"] == pytest.approx(1.8)
 
 
@@ -43,7 +43,7 @@ def test_a_quick_run_writes_its_report(tmp_path):
     run = run_script([str(BENCH / "callback_turns.py"), "--quick", "--out", str(out)], timeout=150)
     assert run.returncode == 0, run.describe()
     result = json.loads(out.with_suffix(".json").read_text())
-    assert result["measured"]["callbacks"] == {"stock": 0, "safe": 4, "merged": 1}
+    assert result["measured"]["callbacks"] == {"stock": 0, "safe": 3, "merged": 1}
     assert all(len(v) == 3 for v in result["measured"]["per_round_s"].values())
     text = out.with_suffix(".md").read_text()
-    assert "| safe | 4 |" in text and "Merging the strategy's four callbacks into one would save" in text
+    assert "| safe | 3 |" in text and "Merging the strategy's 3 callbacks into one would save" in text

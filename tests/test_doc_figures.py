@@ -1284,7 +1284,7 @@ def test_where_safes_added_instructions_go_is_the_result_files():
     assert f"stock runs {counts['stock']:,.0f} bytecode instructions per step and safe {counts['safe']:,.0f}" in text
     assert f"(+{counts['safe'] - counts['stock']:.0f})" in text
     loop = added["call.py:203(_call_callback_hooks)"]
-    assert f"turning over the strategy's four callbacks | +{loop:.1f} |" in text
+    assert f"turning over the strategy's three callbacks | +{loop:.1f} |" in text
     batch_start = sum(added[k] for k in added if k.split(":")[0] in (
         "lifecycle.py", "heartbeat.py", "weight_checks.py", "lightning.py", "trainable.py", "control.py"
     )) + added["strategy.py:251(on_train_batch_start)"]  # fmt: skip
@@ -1294,8 +1294,8 @@ def test_where_safes_added_instructions_go_is_the_result_files():
     assert f"`model`) | +{step:.0f} |" in text
     assert f"`post_backward` | +{added['strategy.py:283(post_backward)']:.0f} |" in text
     assert batch_start + step + loop + added["strategy.py:283(post_backward)"] == pytest.approx(sum(added.values()))
-    assert f"about {round(loop / 24)} bytecodes" in text  # four callbacks, six per-batch hooks
-    assert f"an estimated {round(loop * 18 / 24, -1):.0f} bytecodes fewer" in text
+    assert f"about {round(loop / 18)} bytecodes" in text  # three callbacks, six per-batch hooks
+    assert f"an estimated {round(loop * 12 / 18, -1):.0f} bytecodes fewer" in text
 
 
 @pytest.mark.parametrize(
@@ -1414,10 +1414,11 @@ def test_what_merging_the_callbacks_would_save_is_the_result_file():
             "bench/README.md", f"| {name} | {measured['callbacks'][name]} | {a['median_us'][name]:.2f} | {cell} |"
         )
     assert data["rounds"] == 15 and data["calls"] == 5000 and data["repeats"] == 3
+    assert measured["callbacks"]["safe"] == 3  # a default fit's: ShardingCheck, WeightSyncCheck, PreemptionStop
     assert_on(
         "bench/README.md",
         f"A turn of a callback whose hook is skipped costs {a['per_turn_us'] * 1000:.0f} ns.",
-        f"Merging the four callbacks into one would save {a['merge_saves_us']:.2f} us",
+        f"Merging the three callbacks into one would save {a['merge_saves_us']:.2f} us",
         f"Timed, that is worth {a['merge_saves_us']:.2f} us per step with hot caches",
     )
 

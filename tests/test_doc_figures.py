@@ -1488,3 +1488,27 @@ def test_the_simulated_caches_are_the_result_file():
         f"the first-level misses grow with the instructions ({pct(l1)} against {pct(t)})",
     )
     assert ll["added"] < 0
+
+
+def test_every_option_off_run_is_the_result_file():
+    """bench/README.md's one run with safe_bare at every option off: its row and the figures quoted."""
+    data = result("tiny_step-intel-bare-all-off-3b7f4db")
+    bare = data["config"]["bare_kwargs"]
+    assert data["config"]["bare_recorder"] and bare["heartbeat_interval"] == 0 and bare["desync_detection"] is False
+    assert {k for k, v in bare.items() if v in (None, False, 0)} == set(bare)  # every option off
+
+    def ratio(name: str, kind: str = "step_mean_s") -> dict[str, Any]:
+        return dict(_ratio_row(data, "nolog", name)[kind])
+
+    row = _pooled_row("`bare-all-off`", data, "safe_bare / stock", "safe / safe_bare")[:-1]
+    cpu = [
+        f"{ratio(r, 'cpu_step_s')['of_medians']:.3f}" for r in ("safe / stock", "safe_bare / stock", "safe / safe_bare")
+    ]
+    assert_on("bench/README.md", f"{row}| {' | '.join(cpu)} |")
+    safe = ratio("safe / stock")
+    assert_on(
+        "bench/README.md",
+        f"used as much CPU as stock's ({cpu[1]}), while its step was {ratio('safe_bare / stock')['of_medians']:.3f}",
+        f"Safe at its defaults was {safe['of_medians']:.3f} of stock (paired median {safe['paired']['median']:.3f}), "
+        f"its CPU {cpu[0]} of stock's in this run.",
+    )

@@ -86,7 +86,8 @@ def _start(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("LOCAL_RANK", None)  # never inherit a rank from an outer launcher
     # Lightning's launcher would pick a port by bind(0), inside the ephemeral range: see _worker_ports
-    full_env.setdefault("MASTER_PORT", str(free_port()))
+    if "MASTER_PORT" not in full_env:  # a caller's (or the environment's) port is kept, and no port is picked
+        full_env["MASTER_PORT"] = str(free_port())
     private_tmp = Path(tempfile.mkdtemp(prefix="proc-torchrun-")) if "torch.distributed.run" in args else None
     if private_tmp is not None:
         full_env["TMPDIR"] = str(private_tmp)

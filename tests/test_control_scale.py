@@ -185,6 +185,7 @@ class _Beat:
 
     interval = 1.0
     fast_beat = False
+    inline = False  # a beat on the heartbeat thread (Heartbeat.inline)
 
     def __init__(self) -> None:
         self.position = type("P", (), {"kind": "barrier"})()
@@ -393,6 +394,34 @@ def test_after_an_inquiry_finds_nothing_in_a_wait_the_ranks_beat_at_the_normal_p
     wait[0] = "collective 0#8"  # a new wait: an inquiry may come again, so the beats are fast again
     monitors[3].beat(stores[3])
     assert monitors[3].control.heartbeat.fast_beat
+
+
+def test_a_beat_on_the_training_thread_leaves_answering_an_inquiry_to_the_heartbeat_thread(monkeypatch):
+    # answering waits for every rank's report: a beat run by a training step (Heartbeat.inline) hands it over
+    world_size = 2
+    monkeypatch.setattr(
+        DesyncMonitor,
+        "report",
+        lambda self: RankReport(rank=self.control.rank, calls=(), waiting="", waiting_since=0.0, step=2),
+    )
+    shared = dist.HashStore()
+    stores = [CountingStore(shared) for _ in range(world_size)]
+    controls = [_BeatingControl(r, world_size, stores[r]) for r in range(world_size)]
+    monitors = [DesyncMonitor(c, CallNotes()) for c in controls]  # type: ignore[arg-type]
+    handed: list[int] = []
+    beat0 = controls[0].heartbeat
+    beat0.hand_over = lambda: handed.append(1)  # type: ignore[attr-defined]
+    shared.add("desync/inquiry", 1)  # rank 1 opened inquiry 1
+    beat0.inline = True
+    monitors[0].beat(stores[0])
+    assert handed == [1] and monitors[0]._answered == 0  # handed over, no report: the training thread went on
+    assert not shared.check(["desync/report/1/0"])
+    beat0.inline = False  # the heartbeat thread's beat, at once: it answers, and with rank 1's report the verdict
+    rank1 = threading.Thread(target=monitors[1]._answer, args=(stores[1], 1))
+    rank1.start()
+    monitors[0].beat(stores[0])
+    rank1.join(timeout=30)
+    assert not rank1.is_alive() and monitors[0]._answered == 1 and handed == [1]
 
 
 @pytest.mark.parametrize("kind", ["hash", "tcp"])

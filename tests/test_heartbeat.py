@@ -209,6 +209,107 @@ def test_a_peer_failure_is_read_once_and_acknowledged(hook: bool):
     assert int(shared.add("failure/seen", 0)) == 1
 
 
+class ThreadLog:
+    """A beat hook that records, per beat, the thread it ran on and whether the beat was the training thread's."""
+
+    def __init__(self, beat: Heartbeat) -> None:
+        self.beat = beat
+        self.runs: list[tuple[str, bool]] = []
+
+    def __call__(self, _: object) -> None:
+        self.runs.append((threading.current_thread().name, self.beat.inline))
+
+
+def step_for(beat: Heartbeat, seconds: float, first_step: int = 0) -> int:
+    """Note a training step every 5 ms on this (the training) thread for ``seconds``; the next step's number."""
+    step = first_step
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        beat.note_step(step, batch=step + 1, epoch=0, epoch_batch=step + 1)
+        step += 1
+        time.sleep(0.005)
+    return step
+
+
+def test_while_the_training_thread_steps_it_beats_itself_and_the_heartbeat_thread_only_wakes():
+    # a Python background thread that the scheduler deschedules while it holds the GIL stalls the training thread
+    # (issue 30, point 2): while it trains, the training thread runs the due beats itself, at a step's start
+    store = CountingStore()
+    beat = Heartbeat(rank=0, world_size=2, interval=1.0, store=store, desync_agreed=lambda: False)
+    hook = ThreadLog(beat)
+    beat.add_beat(hook)
+    beat.start()
+    try:
+        step_for(beat, 3.6)
+    finally:
+        beat.stop()
+    # three beats (at about 1, 2 and 3 s), each run by a training step; the heartbeat thread took none over
+    assert hook.runs == [("MainThread", True)] * 3, hook.runs
+    assert store.threads == {"MainThread"} and store.published == 3
+    assert Position.from_json(store.get(POSITION_KEY.format(rank=0))).kind == "training step"
+
+
+def test_a_training_thread_that_stops_stepping_gets_its_beats_from_the_heartbeat_thread():
+    # as when the training thread blocks in a collective: within an interval and a quarter the heartbeat thread beats
+    store = CountingStore()
+    beat = started(store)
+    hook = ThreadLog(beat)
+    beat.add_beat(hook)
+    try:
+        step_for(beat, 5 * INTERVAL)
+        stopped = len(hook.runs)
+        time.sleep(6 * INTERVAL)  # "blocked": no step
+        age = time.time() - heartbeat_of(store)
+        step_for(beat, 5 * INTERVAL, first_step=1000)
+    finally:
+        beat.stop()
+    trained, blocked = hook.runs[:stopped], hook.runs[stopped:]
+    assert trained and set(trained) == {("MainThread", True)}, hook.runs
+    assert ("ddp_strategy-heartbeat-rank0", False) in blocked, hook.runs  # took over while blocked
+    assert age < 2 * INTERVAL  # the position stayed fresh (peers count a rank dead after 3 intervals)
+    assert blocked[-1] == ("MainThread", True), hook.runs  # and the training thread beats again once it steps
+
+
+def test_a_hook_in_a_training_thread_beat_hands_work_that_waits_to_the_heartbeat_thread():
+    # a desync inquiry's answer waits for every rank: on the training thread a hook asks the heartbeat thread instead
+    store = CountingStore()
+    beat = Heartbeat(rank=0, world_size=2, interval=1.0, store=store, desync_agreed=lambda: False)
+    answered = threading.Event()
+    runs: list[tuple[str, bool, float]] = []
+
+    def hook(_: object) -> None:
+        runs.append((threading.current_thread().name, beat.inline, time.monotonic()))
+        if beat.inline:
+            beat.hand_over()
+        else:
+            answered.set()
+
+    beat.add_beat(hook)
+    beat.start()
+    try:
+        step = 0
+        while not runs and step < 1000:  # until the first beat, about 1 s in
+            step = step_for(beat, 0.05, first_step=step)
+        # the heartbeat thread answers now, not at its next beat (2 s in): well before then
+        assert answered.wait(0.7), runs
+    finally:
+        beat.stop()
+    assert [(name, inline) for name, inline, _ in runs[:2]] == [
+        ("MainThread", True),
+        ("ddp_strategy-heartbeat-rank0", False),
+    ]
+
+
+def test_no_beat_on_the_training_thread_without_a_heartbeat_thread():
+    store = CountingStore()
+    beat = Heartbeat(rank=0, world_size=2, interval=0, store=store, desync_agreed=lambda: False)
+    hook = ThreadLog(beat)
+    beat.add_beat(hook)
+    beat.start()
+    beat.note_step(1)
+    assert hook.runs == [] and store.published == 0
+
+
 @pytest.mark.timeout(180)
 def test_a_graceful_close_deletes_no_key_while_a_peer_heartbeat_still_reads_it(tmp_path: Path):
     # the desync hook reads the next rank's position in its multi_get, which waits for a missing key: rank 1 must not

@@ -3,8 +3,9 @@
 DDP is correct only when every rank makes the same collective calls in the same order. torch's Flight Recorder
 (:func:`~ddp_strategy._compat.torch.collective_trace`) numbers every collective of every process group per rank
 and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. torch runs it by default (2000 entries); the
-strategy keeps 16 (a dump costs in proportion to the entries), and :class:`DesyncMonitor`, on each rank's heartbeat
-thread, uses it in two steps:
+strategy keeps 16 (a dump costs in proportion to the entries), and :class:`DesyncMonitor`, at each rank's heartbeat
+(on the heartbeat thread, or on the training thread while it trains: :mod:`ddp_strategy.heartbeat`), uses it in two
+steps:
 
 1. **Watch, cheaply.** Each beat looks whether the training thread moved on since the last beat (a new training
    step, barrier or strategy collective: two attribute reads); only when it did not does it read the recorder's
@@ -137,7 +138,10 @@ def _decide(store: Store, inquiry: int, world_size: int) -> None:
 
 
 class DesyncMonitor:
-    """Watches one rank's collectives on its heartbeat thread and takes part in inquiries; see the module docs.
+    """Watches one rank's collectives at its heartbeat's beats and takes part in inquiries; see the module docs.
+
+    A beat on the training thread (``control.heartbeat.inline``) may open an inquiry but leaves answering it, which
+    waits for every rank, to the heartbeat thread (:meth:`_take_part`).
 
     Args:
         control: this rank's control plane (its heartbeat thread runs :meth:`beat`).
@@ -253,24 +257,35 @@ class DesyncMonitor:
         values = control.heartbeat.read_with_failures(store, keys)  # one round trip, the failure counter with them
         inquiry, stuck_ranks = int(values[0]), int(values[1])
         if inquiry > self._answered:
-            self._answer(store, inquiry)
+            self._take_part(store, inquiry)
             return
         if stuck and what not in self._inquired and stuck_ranks >= control.world_size:
             self._inquired.add(what)  # every rank waits: whether they wait for each other, the reports tell
-            self._answer(store, _open(store, inquiry))
+            self._take_part(store, _open(store, inquiry))
             return
         if not look:
             return
         self._next_look = time.monotonic() + control.heartbeat.interval
         if not self._ledger_inquired and len(values) > 2 and self._ledger_differs(json.loads(values[2])):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
-            self._answer(store, _open(store, inquiry))
+            self._take_part(store, _open(store, inquiry))
             return
         if self.recorder.due():
             difference = self.recorder.compare(store)
             if difference is not None and difference not in self._audit_inquired:
                 self._audit_inquired.add(difference)  # once per call: the verdict names it
-                self._answer(store, _open(store, inquiry))
+                self._take_part(store, _open(store, inquiry))
+
+    def _take_part(self, store: Store, inquiry: int) -> None:
+        """Answer ``inquiry`` (:meth:`_answer`), or, in a beat on the training thread, leave it to the heartbeat thread.
+
+        Answering waits for every rank's report, up to seconds: the training thread must not. The heartbeat thread's
+        next beat, at once, reads the inquiry count again and answers the newest.
+        """
+        if self.control.heartbeat.inline:
+            self.control.heartbeat.hand_over()
+        else:
+            self._answer(store, inquiry)
 
     # ------------------------------------------------------------------ auditing
     def update_audit(self) -> dict[str, list[Any]]:

@@ -12,6 +12,15 @@ connection is a socket on rank 0's store. For the same reason a hook reads its k
 work is one ``set`` and one ``multi_get``. A hook that waits long (a desync inquiry) keeps the heartbeat fresh with
 :meth:`Heartbeat.publish_if_due`.
 
+While the training thread trains, it beats itself: :meth:`Heartbeat.note_step`, at the start of every training step,
+runs a beat that is due right there (:meth:`Heartbeat.beat_if_due`), and the heartbeat thread, waking
+:data:`TAKEOVER` of an interval later, finds it done and sleeps again. A Python background thread holds the GIL while
+it runs, and on a busy machine the scheduler may take its core in mid-beat: the training thread would then wait for
+the GIL for a whole time slice. A beat on the training thread costs that thread the same work and no such wait. When
+the training thread stops beating (it waits in a collective, a barrier, a long step, or evaluates), the heartbeat
+thread beats as before. A beat hook whose work may wait long (answering a desync inquiry waits for every rank) does
+not do it on the training thread: it asks the heartbeat thread with :meth:`Heartbeat.hand_over`.
+
 A failing rank publishes its failure through it (:meth:`Heartbeat.note_failure`); rank 0, which hosts the store,
 waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals grow beyond
 :data:`RANKS_PER_INTERVAL` ranks (:func:`scaled_interval`), so that the store's load stays flat.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +45,7 @@ __all__ = [
     "FAILURE_KEYS",
     "FAST_BEAT",
     "RANKS_PER_INTERVAL",
+    "TAKEOVER",
     "Heartbeat",
     "failures_published",
     "read_position",
@@ -48,6 +59,10 @@ log = logging.getLogger("ddp_strategy.control")
 RANKS_PER_INTERVAL = 512
 #: The beat interval while a desync inquiry may come (:attr:`Heartbeat.fast_beat`), scaled like the heartbeat.
 FAST_BEAT = 0.2
+#: While the training thread beats (:meth:`Heartbeat.beat_if_due`), the heartbeat thread takes a due beat over this
+#: share of an interval late: a training step that starts within it beats first. A rank that stops training still
+#: publishes within 1.25 intervals (staleness limits are 3).
+TAKEOVER = 0.25
 _FAILED_KEY = "failure/rank"  # the rank of the first published failure; peers' heartbeat threads look for it
 _FAILURES_KEY = "failure/count"  # how many ranks published a failure
 _SEEN_KEY = "failure/seen"  # how many peers have read the first failure (the failed store host waits for them)
@@ -130,14 +145,23 @@ class Heartbeat:
         self._waiting: tuple[str, float] = ("", 0.0)  # what the training thread waits in (see `set_waiting`)
         self._ledger: tuple[int, int] = (0, 0)  # (calls, digest) of the strategy's collectives (see `set_ledger`)
         self._store = store
-        self._next_publish = 0.0  # time.monotonic() of the heartbeat thread's next publication
+        self._next_publish = math.inf  # time.monotonic() of the next publication (none without a heartbeat thread)
         self._desync_agreed = desync_agreed
         self._seq = seq
         self._hooks: list[Callable[[Store], None]] = []
         self._failures_read = False  # whether a hook read the failure counter during this beat (read_with_failures)
         self._failures_seen = 0  # the failure count when this rank last read the first failure
         self._stop = threading.Event()
+        self._wake = threading.Event()  # wakes the heartbeat thread before its time: stop() or hand_over()
         self._thread: threading.Thread | None = None
+        # one beat at a time, on either thread; the training thread never waits for it (see `beat_if_due`)
+        self._beat_lock = threading.Lock()
+        #: ``True`` during a beat on the training thread (:meth:`beat_if_due`): a hook then leaves work that may wait
+        #: to the heartbeat thread (:meth:`hand_over`)
+        self.inline = False
+        self._stepped_at = -1e9  # time.monotonic() of the training thread's last training-step note
+        self._inline_off = False  # the training thread beats no more (the store failed it; the thread reports it)
+        self._handed_over = False  # a hook asked the heartbeat thread to beat now (see `hand_over`)
 
     @property
     def position(self) -> Position:
@@ -173,7 +197,7 @@ class Heartbeat:
         """The current position with this rank's heartbeat ``when``, progress, wait and ledger, as the store holds it.
 
         A training step's note is written out as its :class:`Position` would be, without building one: this runs
-        once a second on the publisher thread, where every object made is paid in cold caches.
+        once a second, in a beat, where every object made is paid in cold caches.
         """
         current = self._current
         if isinstance(current, tuple):
@@ -206,7 +230,9 @@ class Heartbeat:
     def note_step(
         self, step: int, *, batch: int | None = None, epoch: int | None = None, epoch_batch: int | None = None
     ) -> None:
-        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O).
+        """Record that this rank is in training step ``step``; cheap enough for every step (no I/O but the beat).
+
+        Once an interval, when a beat is due, the training thread runs it here (:meth:`beat_if_due`).
 
         Args:
             step: the optimizer step (``trainer.global_step``), shown in messages.
@@ -220,6 +246,38 @@ class Heartbeat:
         self.step = step
         if epoch is not None:
             self.progress = (epoch, epoch_batch)
+        self._stepped_at = now = time.monotonic()
+        if now >= self._next_publish:  # once an interval: the beat, here on the training thread
+            self.beat_if_due()
+
+    def beat_if_due(self) -> None:
+        """On the training thread: the beat that is due, unless the heartbeat thread is in one (no waiting).
+
+        The same beat as the heartbeat thread's (publication, failure check, hooks) with :attr:`inline` set, so that
+        a hook hands work that may wait to that thread (:meth:`hand_over`). Never raises: a store that fails here
+        ends the training thread's beats, and the heartbeat thread meets the failure itself and reports it.
+        """
+        if self._thread is None or self._inline_off or not self._beat_lock.acquire(blocking=False):
+            return
+        try:
+            if time.monotonic() < self._next_publish or self._going_down():  # beaten just before, or going down
+                return
+            self.inline = True
+            self._inline_off = not self._beat_once(self._store)
+        finally:
+            self.inline = False
+            self._beat_lock.release()
+        if self._inline_off:
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """Ask the heartbeat thread for a beat now.
+
+        A hook in a beat on the training thread (:attr:`inline`) calls this instead of doing work that may wait; the
+        heartbeat thread's beat, at once, finds it still to do.
+        """
+        self._handed_over = True
+        self._wake.set()
 
     def set_waiting(self, what: str, since: float) -> None:
         """Record what the training thread waits in (``""``: nothing), published with every heartbeat."""
@@ -347,9 +405,11 @@ class Heartbeat:
     def stop(self, timeout: float | None = None) -> None:
         """Stop the heartbeat thread and wait for it (at most ``timeout``, default ``max(5 s, 2 intervals)``)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, 2 * self.interval) if timeout is None else timeout)
         self._thread = None
+        self._next_publish = math.inf  # the training thread's steps look for no beat any more
 
     def _stop_at_exit(self) -> None:
         # a rank that exits without teardown (an error under the spawn launcher): no store call in flight while
@@ -368,33 +428,61 @@ class Heartbeat:
         return self._desync_agreed() or self._rank0_failed()
 
     def _pause(self) -> float:
-        """Seconds until the next beat: the next publication, or sooner at the fast beat's pace."""
-        until = max(0.0, self._next_publish - time.monotonic())
+        """Seconds until the heartbeat thread's next beat.
+
+        The next publication (:data:`TAKEOVER` of an interval later while the training thread steps), or sooner at the
+        fast beat's pace; ``0`` when a hook handed work over.
+        """
+        if self._handed_over:
+            return 0.0
+        now = time.monotonic()
+        riding = now - self._stepped_at < 2 * self.interval  # the training thread trains: it beats first
+        until = max(0.0, self._next_publish + (TAKEOVER * self.interval if riding else 0.0) - now)
         return min(until, self._fast_interval) if self.fast_beat and self._hooks else until
 
     def _loop(self) -> None:
         store = self._store
-        while not self._stop.wait(self._pause()):
-            if self._rank0_failed():
-                return  # rank 0 failed: its store is about to go, and a call to a gone store prints a C++ trace
-            pulse = time.monotonic() >= self._next_publish and not self._desync_agreed()
-            if pulse:
-                self._next_publish = time.monotonic() + self.interval
-                if not self._store_call(self.publish, store):
+        while True:
+            self._wake.wait(self._pause())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._beat_lock:
+                if self._pause() > 0 and not self.fast_beat:  # the training thread beat meanwhile
+                    continue
+                self._handed_over = False
+                if not self._beat_once(store):
                     return
-            self._failures_read = False
-            waiting = self._waiting
-            if self._hooks:
-                self._beat(store)
-            if pulse and not self._failures_read and not self._store_call(self._check_failures, store):
-                return  # no hook read the failure counter in this beat: a read of its own
-            if self._rank0_failed():
-                return  # see above
-            if self._waiting != waiting and not self._going_down():
-                try:
-                    self.publish(store)  # the others see the new wait now, not at the next heartbeat
-                except Exception as err:  # the next publication reports a gone store
-                    log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
+
+    def _beat_once(self, store: Store) -> bool:
+        """One beat through ``store``: publish when due, run the hooks, read the failure counter when no hook did.
+
+        Returns:
+            ``False`` when the heartbeat should end: rank 0 failed (its store is about to go, and a call to a gone
+            store prints a C++ trace) or the store is gone.
+
+        """
+        if self._rank0_failed():
+            return False
+        pulse = time.monotonic() >= self._next_publish and not self._desync_agreed()
+        if pulse:
+            self._next_publish = time.monotonic() + self.interval
+            if not self._store_call(self.publish, store):
+                return False
+        self._failures_read = False
+        waiting = self._waiting
+        if self._hooks:
+            self._beat(store)
+        if pulse and not self._failures_read and not self._store_call(self._check_failures, store):
+            return False  # no hook read the failure counter in this beat: a read of its own
+        if self._rank0_failed():
+            return False
+        if self._waiting != waiting and not self._going_down():
+            try:
+                self.publish(store)  # the others see the new wait now, not at the next heartbeat
+            except Exception as err:  # the next publication reports a gone store
+                log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
+        return True
 
     def _check_failures(self, store: Store) -> None:
         self._note_failures(store, int(store.add(_FAILURES_KEY, 0)))
@@ -405,7 +493,7 @@ class Heartbeat:
             call(store)
             return True
         except Exception as err:  # the store is gone: rank 0 exited or died
-            if not self._stop.is_set():
+            if not self._stop.is_set() and not self.inline:  # on the training thread: the heartbeat thread says it
                 log.warning(
                     "ddp_strategy: rank %d stopped publishing its heartbeat: the rendezvous store is "
                     "unreachable (%s). Rank 0, which hosts it, has probably exited.",

@@ -20,6 +20,8 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   stretch's wall time is kept beside its CPU;
 * **every Flight Recorder dump with stacks** (``collective_trace``): on which thread, its wall and CPU time, the
   first one (the slowest, symbols loaded) included;
+* **every heartbeat beat** (``Heartbeat._beat_once``): on which thread (the training thread runs the due beat at a
+  step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time;
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
   backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
   stock against safe (what the training thread saw, the machine's own noise included).
@@ -54,6 +56,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ddp_strategy.desync as desync_module  # noqa: E402
 import ddp_strategy.desync_audit as audit_module  # noqa: E402
+import ddp_strategy.heartbeat as heartbeat_module  # noqa: E402
 from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
 from ddp_strategy._compat.torch import collective_trace_enabled  # noqa: E402
@@ -325,6 +328,42 @@ class Dumps:
         return timed
 
 
+class Beats:
+    """Every heartbeat beat (``Heartbeat._beat_once``): thread, wall and CPU seconds, whether in training."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.training = False
+
+    def wrap(self, beat_once: Callable[..., bool]) -> Callable[..., bool]:
+        @functools.wraps(beat_once)
+        def timed(heartbeat: Any, *args: Any, **kwargs: Any) -> bool:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return beat_once(heartbeat, *args, **kwargs)
+            finally:
+                if self.training:
+                    self.calls.append(
+                        {
+                            "thread": threading.current_thread().name,
+                            "wall_s": time.perf_counter() - wall,
+                            "cpu_s": time.thread_time() - cpu,
+                        }
+                    )
+
+        return timed
+
+    def summary(self) -> dict[str, Any]:
+        """Beats in training by thread: how many, the longest by wall time and by CPU time."""
+        threads: dict[str, dict[str, Any]] = {}
+        for call in self.calls:
+            row = threads.setdefault(call["thread"], {"count": 0, "longest_wall_s": 0.0, "longest_cpu_s": 0.0})
+            row["count"] += 1
+            row["longest_wall_s"] = max(row["longest_wall_s"], call["wall_s"])
+            row["longest_cpu_s"] = max(row["longest_cpu_s"], call["cpu_s"])
+        return threads
+
+
 class Collections:
     """Python's garbage collections in the training window: the longest (wall), its generation and thread.
 
@@ -359,15 +398,15 @@ class Collections:
 class Phase(Callback):
     """Marks the training window (after ``warmup`` steps) for the holds and the dumps."""
 
-    def __init__(self, holds: Holds, dumps: Dumps, collections: Collections, warmup: int) -> None:
-        self.holds, self.dumps, self.collections, self.warmup = holds, dumps, collections, warmup
+    def __init__(self, holds: Holds, dumps: Dumps, collections: Collections, beats: Beats, warmup: int) -> None:
+        self.holds, self.dumps, self.collections, self.beats, self.warmup = holds, dumps, collections, beats, warmup
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         on = trainer.global_step >= self.warmup
-        self.holds.recording = self.dumps.training = self.collections.recording = on
+        self.holds.recording = self.dumps.training = self.collections.recording = self.beats.training = on
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.holds.recording = self.dumps.training = self.collections.recording = False
+        self.holds.recording = self.dumps.training = self.collections.recording = self.beats.training = False
 
 
 def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> dict[str, Any]:
@@ -376,9 +415,12 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     collections = Collections()
     holds = Holds(event_cost, collections.on_this_thread)
     dumps = Dumps()
+    beats = Beats()
     originals = {m: m.collective_trace for m in (desync_module, audit_module)}
     for module, dump in originals.items():
         module.collective_trace = dumps.wrap(dump)  # type: ignore[attr-defined]
+    beat_once = heartbeat_module.Heartbeat._beat_once
+    heartbeat_module.Heartbeat._beat_once = beats.wrap(beat_once)  # type: ignore[method-assign]
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
     gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
@@ -390,7 +432,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             devices=2,
             strategy=SafeDDPStrategy() if variant == "safe" else DDPStrategy(),
             max_steps=warmup + steps,
-            callbacks=[clock, Phase(holds, dumps, collections, warmup)],
+            callbacks=[clock, Phase(holds, dumps, collections, beats, warmup)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -405,6 +447,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         gc.callbacks.remove(collections.callback)
         for module, dump in originals.items():
             module.collective_trace = dump  # type: ignore[attr-defined]
+        heartbeat_module.Heartbeat._beat_once = beat_once  # type: ignore[method-assign]
     gaps = sorted(clock.gaps)
     in_training = [d for d in dumps.calls if d["during_training"]]
     background = [d for d in in_training if d["thread"].startswith("ddp_strategy-")]
@@ -436,6 +479,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             ],
         },
         "garbage_collections": {"count": collections.count, "longest": collections.longest},
+        "beats": beats.summary(),
         "dumps": {
             "all": dumps.calls,
             "first": dumps.calls[0] if dumps.calls else None,
@@ -534,6 +578,19 @@ def render(result: dict[str, Any]) -> list[str]:
                 f"{alone.get('wall_s', 0.0) * 1e3:.3f} ms wall ({alone.get('thread', '-')}, from {alone.get('from')} "
                 f"to {alone.get('to')}); the longest in all {holds['longest'].get('wall_s', 0.0) * 1e3:.3f} ms wall"
             )
+    beaten = [r for r in result["fits"] if r["variant"] == "safe" and "beats" in r]
+    if beaten:
+        lines += [
+            "",
+            "The heartbeat's beats in training, by the thread that ran them (count; longest ms wall / CPU):",
+            "",
+        ]
+        for row in beaten:
+            text = ", ".join(
+                f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
+                for thread, b in sorted(row["beats"].items())
+            )
+            lines.append(f"- round {row['round']}: {text or 'none'}")
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
     if scheduled:
         lines += [

@@ -110,3 +110,25 @@ def test_the_schedulers_counts_of_a_thread_grow_with_its_work():
     on_core, runnable = counts.read()
     assert on_core - before[0] >= 15_000_000  # 20 ms of this thread's CPU, in ns
     assert runnable >= before[1]
+
+
+def test_beats_are_counted_by_the_thread_that_ran_them_and_only_in_training():
+    """The heartbeat's beats (``Heartbeat._beat_once``, wrapped): which thread ran each, only inside the window."""
+    beats = pauses.Beats()
+    runs: list[str] = []
+
+    def beat_once(heartbeat: object, store: object) -> bool:
+        runs.append(threading.current_thread().name)
+        return True
+
+    timed = beats.wrap(beat_once)
+    assert timed(None, None) is True and beats.calls == []  # before the training window: not counted
+    beats.training = True
+    timed(None, None)
+    thread = threading.Thread(target=timed, args=(None, None), name="ddp_strategy-heartbeat-rank0")
+    thread.start()
+    thread.join()
+    timed(None, None)
+    summary = beats.summary()
+    assert runs == ["MainThread", "MainThread", "ddp_strategy-heartbeat-rank0", "MainThread"]
+    assert {name: row["count"] for name, row in summary.items()} == {"MainThread": 2, "ddp_strategy-heartbeat-rank0": 1}

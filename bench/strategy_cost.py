@@ -301,7 +301,8 @@ def instrument_log_sites(counters: Counters) -> Callable[[], None]:
 
 
 #: ``--heartbeat-parts``: the heartbeat thread's code timed by part, each part with what it calls (a part indented
-#: by two spaces runs inside the one above it); the rest of the thread's CPU is its wake-ups and its loop
+#: by two spaces runs inside the one above it); the rest of the thread's CPU is its wake-ups and its loop. The beats
+#: the training thread runs while it trains (``Heartbeat.beat_if_due``) count in ``on_train_batch_start``, not here
 HEARTBEAT_PARTS = {
     "publication (the position's JSON and its set)": (Heartbeat, "publish"),
     "beat hooks (the desync monitor's)": (Heartbeat, "_beat"),

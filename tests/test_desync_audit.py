@@ -366,3 +366,23 @@ def test_collective_call_history_is_kept_per_group():
     audit = CallAudit()
     audit.add([CollectiveCall("0", seq, "all_reduce", ((1,),), ("Float",)) for seq in range(1, 300)])
     assert len(audit.calls["0"]) == 256 and audit.calls["0"][-1].seq == 299
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_only_a_background_audit_lets_the_gil_go_around_its_dump(
+    recorder: FakeRecorder, monkeypatch: pytest.MonkeyPatch, background: bool
+):
+    # on the heartbeat thread the dump lets a training thread take the GIL around its parts; in a beat on the training
+    # thread (Heartbeat.inline) those sleeps would only make that thread wait longer
+    sleeps: list[float] = []
+    monkeypatch.setattr(audit_module, "_let_go_of_the_gil", lambda: sleeps.append(1.0))
+    store = torch.distributed.HashStore()
+    clock = [100.0]
+    monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
+    audit = RecorderAudit(0, 2, interval=5.0, entries=16, cpu_share=1.0)
+    clock[0] += 5.0
+    recorder.call(8)
+    audit.compare(store, background=background)
+    assert recorder.dumps == 1 and audit.calls.newest == {"0": 8}
+    # before the dump, between it and its parsing, after it, and between the two chunks of 4 entries
+    assert len(sleeps) == (4 if background else 0), sleeps

@@ -271,7 +271,7 @@ class DesyncMonitor:
             self._take_part(store, _open(store, inquiry))
             return
         if self.recorder.due():
-            difference = self.recorder.compare(store)
+            difference = self.recorder.compare(store, background=not control.heartbeat.inline)
             if difference is not None and difference not in self._audit_inquired:
                 self._audit_inquired.add(difference)  # once per call: the verdict names it
                 self._take_part(store, _open(store, inquiry))

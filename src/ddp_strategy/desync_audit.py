@@ -148,8 +148,11 @@ class RecorderAudit:
         """
         self._dump(wait=False, background=False)
 
-    def compare(self, store: Store) -> tuple[str, int] | None:
-        """On the heartbeat thread: audit when due; after new calls, publish and compare with the next rank's.
+    def compare(self, store: Store, *, background: bool = True) -> tuple[str, int] | None:
+        """At a beat: audit when due; after new calls, publish and compare with the next rank's.
+
+        ``background``: the beat runs on the heartbeat thread (the dump lets the GIL go around its parts, see
+        :meth:`_dump`); ``False`` on the training thread, which would only wait longer.
 
         Returns the first call whose digest differs. After its dump the next one comes when half of the entries
         kept will be new at the rate of calls since the last, at the latest ``interval`` later, and no sooner than
@@ -159,7 +162,7 @@ class RecorderAudit:
         now = time.monotonic()
         if now >= self._next:
             start = time.thread_time()
-            calls = self._dump() or 0
+            calls = self._dump(background=background) or 0
             took = time.thread_time() - start
             then, counted = self._counted
             rate = (calls - counted) / max(now - then, 1e-3)

@@ -612,14 +612,14 @@ def test_tiny_step_runs_at_3103ff0_table_is_the_result_files():
     assert_on("bench/README.md", f"by {walls[0]} and {walls[1]} us (paired medians), for {cpus[0]} and {cpus[1]} us")
 
 
-def assert_ab_table(ab: dict[str, Any], heading: str) -> None:
+def assert_ab_table(ab: dict[str, Any], heading: str, labels: dict[str, str] | None = None) -> None:
     """The table under ``heading`` in bench/README.md is the A/B result ``ab``: per part, medians and paired ratios."""
     section = (ROOT / "bench/README.md").read_text().split(heading)[1].split("###")[0]
     table = {
         cells[0]: cells[1:]
         for cells in ([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines() if ln.startswith("| "))
     }
-    labels = {
+    labels = labels or {
         "Python threads": "the strategy's Python threads",
         "training thread": "training thread (code unchanged: the noise)",
     }
@@ -686,6 +686,8 @@ def test_heartbeat_merge_ab_table_is_the_result_files():
         "tiny_step-intel-aa-d160373",
         "step_pauses-intel-de88abb",
         "step_pauses-intel-e8781ec",
+        "step_pauses-intel-inline-beat-96bc357",
+        "strategy_cost_ab-inline-beat",
         "instructions_per_step-d160373",
         "instructions_per_step-6c50b88",
         "flight_recorder_cost",
@@ -1512,3 +1514,36 @@ def test_every_option_off_run_is_the_result_file():
         f"Safe at its defaults was {safe['of_medians']:.3f} of stock (paired median {safe['paired']['median']:.3f}), "
         f"its CPU {cpu[0]} of stock's in this run.",
     )
+
+
+def test_the_beat_on_the_training_thread_is_the_result_files():
+    """bench/README.md's section on the beat on the training thread: step_pauses' row per round, the A/B table."""
+    fits = result("step_pauses-intel-inline-beat-96bc357")["fits"]
+    stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
+    safe = [f for f in fits if f["variant"] == "safe"]
+    for fit in safe:
+        holds, beats = fit["background_holds"], fit["beats"]
+        main = beats["MainThread"]
+        assert set(beats) == {"MainThread"}  # "every beat ran on the training thread"
+        assert holds["over_1ms"] == holds["over_1ms_wall"] == holds["over_1ms_on_core"] == 0
+        row = (
+            f"| {fit['round']} | {holds['stretches']} | 0 | 0 | 0 | {holds['longest']['cpu_s'] * 1e3:.3f} | "
+            f"{main['count']} / 0 | {main['longest_wall_s'] * 1e3:.3f} / {main['longest_cpu_s'] * 1e3:.3f} | "
+            f"{fit['hook_gaps']['p999_s'] * 1e3:.3f} / {stock[fit['round']]['hook_gaps']['p999_s'] * 1e3:.3f} |"
+        )
+        assert_on("bench/README.md", row)
+        assert fit["hook_gaps"]["p999_s"] < stock[fit["round"]]["hook_gaps"]["p999_s"]  # "below stock's in both"
+    longest = max(f["background_holds"]["longest"]["cpu_s"] for f in safe)
+    assert_on("bench/README.md", f"the longest {longest * 1e3:.3f} ms of CPU, against about 450 stretches before")
+    ab = result("strategy_cost_ab-inline-beat")
+    assert ab["base"].startswith("8d30fe1") and ab["head"].startswith("96bc357") and not ab["dirty"]
+    labels = {
+        "own": "own CPU per step, in all",
+        "training thread": "training thread (the beats moved here)",
+        "Python threads": "the strategy's Python threads",
+    }
+    assert_ab_table(ab, "#### The beat on the training thread", labels)
+    for workload in ("mlp", "tiny"):
+        assert max(ab["analysis"][workload]["own"]["ratios"]) < 1  # "two rounds each, both lower"
+    waits = [run[side]["mlp"]["idle_thread"] for run in ab["runs"] for side in ("base", "head")]
+    assert_on("bench/README.md", f"({min(waits):.1f} to {max(waits):.1f} us per MLP")

@@ -1246,6 +1246,11 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
         f"{min(ring16):.3f} to {max(ring16):.3f} by run with the ring of 16 ({pooled['of_medians']:.3f} pooled" in row
     )
     assert "four with today's ring of 16" in row and len(ring16) == 4
+    beat = _ratio_row(result("tiny_step-intel-inline-beat-96bc357"), "nolog", "safe / stock")["step_mean_s"]
+    assert (
+        f"{beat['of_medians']:.3f} in one run since the heartbeat's beat moved to the training thread (96bc357; "
+        f"paired median {beat['paired']['median']:.3f})" in row
+    )
 
 
 def test_where_safes_added_instructions_go_is_the_result_files():
@@ -1547,3 +1552,20 @@ def test_the_beat_on_the_training_thread_is_the_result_files():
         assert max(ab["analysis"][workload]["own"]["ratios"]) < 1  # "two rounds each, both lower"
     waits = [run[side]["mlp"]["idle_thread"] for run in ab["runs"] for side in ("base", "head")]
     assert_on("bench/README.md", f"({min(waits):.1f} to {max(waits):.1f} us per MLP")
+
+
+def test_the_tiny_step_run_with_the_beat_on_the_training_thread_is_the_result_file():
+    """bench/README.md's one tiny-step run after the beat moved to the training thread: its row and figures."""
+    data = result("tiny_step-intel-inline-beat-96bc357")
+    assert data["config"]["variants"] == ["stock", "safe", "safe_bare"]
+    assert data["config"]["bare_kwargs"] == {"desync_detection": False}
+    assert data["meta"]["git"] == "commit 96bc357"
+    assert data["meta"]["loadavg_end"][0] > 5  # "the load average rose to 5 during it"
+    assert_on("bench/README.md", _pooled_row("`inline-beat` (96bc357)", data, "safe_bare / stock", "safe / safe_bare"))
+    nolog = _ratio_row(data, "nolog", "safe / stock")
+    own = data["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"]
+    assert_on(
+        "bench/README.md",
+        f"the training thread's CPU ratio {nolog['cpu_step_s']['of_medians']:.3f}: one noisy run",
+        f"The strategy's own threads took {own * 1e6:.1f} us per step",
+    )

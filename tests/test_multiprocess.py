@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.proc import SCRIPTS, run_scenario, run_script
+from tests.proc import SCRIPTS, run_scenario, run_script, stock_fit_finished
 
 pytestmark = pytest.mark.multiprocess
 
@@ -182,7 +182,7 @@ def test_another_torch_version_on_one_rank_raises_the_same_table_on_every_rank(t
 def test_stock_lightning_does_not_compare_versions(tmp_path):
     """The same run with stock DDPStrategy: nothing compares the ranks' software; the fit completes."""
     run = run_scenario("torch_version_differs", tmp_path, "--strategy", "ddp")
-    assert run.returncode == 0 and not run.orphans, run.describe()
+    assert stock_fit_finished(run), run.describe()  # stock's known gloo abort at interpreter exit is no failure here
     assert "scenario: rank 1 reports torch 2.0.0" in run.output  # rank 1 did report the other version
     assert "Ranks disagree" not in run.output and "handshake" not in run.output
     assert run.result is not None and run.result["global_step"] == 8  # 2 epochs of 4 steps: trained to the end

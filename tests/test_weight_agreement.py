@@ -19,7 +19,7 @@ from ddp_strategy.checkpoint.format import verify
 from ddp_strategy.consistency import LIKELY_CAUSES, Comparison, Divergence, WeightAgreement, compare
 from ddp_strategy.control import ControlPlane
 from ddp_strategy.errors import RankDivergenceError
-from tests.proc import run_scenario
+from tests.proc import run_scenario, stock_fit_finished
 from tests.test_control import run_agreeing
 
 
@@ -212,7 +212,7 @@ def test_stock_ddp_saves_the_checkpoint_of_diverged_ranks_silently(tmp_path: Pat
     ckpt, weights = tmp_path / "ckpt", tmp_path / "weights"
     args = ["--strategy", "ddp", "--max-epochs", "3", "--ckpt-dir", str(ckpt), "--save-rank-weights", str(weights)]
     run = run_scenario("diverge_mid_training", tmp_path, *args, timeout=150)
-    assert run.returncode == 0 and not run.timed_out and not run.orphans, run.describe()
+    assert stock_fit_finished(run), run.describe()  # stock's known gloo abort at interpreter exit is no failure here
     ranks = [torch.load(weights / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     difference = (ranks[0]["net.0.weight"] - ranks[1]["net.0.weight"]).abs().max().item()
     assert difference == pytest.approx(1e-3, rel=1e-3)  # the replicas stay apart until the end

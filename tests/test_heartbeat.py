@@ -220,6 +220,15 @@ class ThreadLog:
         self.runs.append((threading.current_thread().name, self.beat.inline))
 
 
+def logged(store: CountingStore, interval: float) -> tuple[Heartbeat, ThreadLog]:
+    """A started heartbeat of rank 0 with a :class:`ThreadLog` hook."""
+    beat = Heartbeat(rank=0, world_size=2, interval=interval, store=store, desync_agreed=lambda: False)
+    hook = ThreadLog(beat)
+    beat.add_beat(hook)
+    beat.start()
+    return beat, hook
+
+
 def step_for(beat: Heartbeat, seconds: float, first_step: int = 0) -> int:
     """Note a training step every 5 ms on this (the training) thread for ``seconds``; the next step's number."""
     step = first_step
@@ -235,10 +244,7 @@ def test_while_the_training_thread_steps_it_beats_itself_and_the_heartbeat_threa
     # a Python background thread that the scheduler deschedules while it holds the GIL stalls the training thread
     # (issue 30, point 2): while it trains, the training thread runs the due beats itself, at a step's start
     store = CountingStore()
-    beat = Heartbeat(rank=0, world_size=2, interval=1.0, store=store, desync_agreed=lambda: False)
-    hook = ThreadLog(beat)
-    beat.add_beat(hook)
-    beat.start()
+    beat, hook = logged(store, 1.0)
     try:
         step_for(beat, 3.6)
     finally:
@@ -252,9 +258,7 @@ def test_while_the_training_thread_steps_it_beats_itself_and_the_heartbeat_threa
 def test_a_training_thread_that_stops_stepping_gets_its_beats_from_the_heartbeat_thread():
     # as when the training thread blocks in a collective: within an interval and a quarter the heartbeat thread beats
     store = CountingStore()
-    beat = started(store)
-    hook = ThreadLog(beat)
-    beat.add_beat(hook)
+    beat, hook = logged(store, INTERVAL)
     try:
         step_for(beat, 5 * INTERVAL)
         stopped = len(hook.runs)
@@ -302,10 +306,7 @@ def test_a_hook_in_a_training_thread_beat_hands_work_that_waits_to_the_heartbeat
 
 def test_no_beat_on_the_training_thread_without_a_heartbeat_thread():
     store = CountingStore()
-    beat = Heartbeat(rank=0, world_size=2, interval=0, store=store, desync_agreed=lambda: False)
-    hook = ThreadLog(beat)
-    beat.add_beat(hook)
-    beat.start()
+    beat, hook = logged(store, 0)
     beat.note_step(1)
     assert hook.runs == [] and store.published == 0
 

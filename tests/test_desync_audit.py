@@ -386,3 +386,18 @@ def test_only_a_background_audit_lets_the_gil_go_around_its_dump(
     assert recorder.dumps == 1 and audit.calls.newest == {"0": 8}
     # before the dump, between it and its parsing, after it, and between the two chunks of 4 entries
     assert len(sleeps) == (4 if background else 0), sleeps
+
+
+def test_on_the_training_thread_a_dump_is_its_beats_whole_audit_and_the_next_beat_publishes(recorder: FakeRecorder):
+    # a beat on the training thread (Heartbeat.inline) takes the dump or the publication and comparison, never both
+    store = torch.distributed.HashStore()
+    ranks = [RecorderAudit(r, 2, interval=0.0) for r in (0, 1)]
+    recorder.call(3)
+    assert ranks[1].compare(store) is None  # rank 1, on its heartbeat thread: dumps and publishes at once
+    assert store.check([ranks[1].key])
+    recorder.entries[1] = entry(2, line=99)  # rank 0's call #2 from another line
+    assert ranks[0].compare(store, background=False) is None and recorder.dumps == 2
+    assert not store.check([ranks[0].key]) and ranks[0].due()  # dumped, not published: due at the next beat
+    ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the last one found
+    assert ranks[0].compare(store, background=False) == ("0", 2) and recorder.dumps == 2
+    assert store.check([ranks[0].key]) and not ranks[0].due()

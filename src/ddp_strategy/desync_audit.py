@@ -152,7 +152,9 @@ class RecorderAudit:
         """At a beat: audit when due; after new calls, publish and compare with the next rank's.
 
         ``background``: the beat runs on the heartbeat thread (the dump lets the GIL go around its parts, see
-        :meth:`_dump`); ``False`` on the training thread, which would only wait longer.
+        :meth:`_dump`). ``False``: on the training thread, which would only wait longer; a dump there is that beat's
+        whole audit, and its publication and comparison come at the next beat (:meth:`due` says so), so that no
+        training step takes both (about 1 ms each on a loaded 2-core VM).
 
         Returns the first call whose digest differs. After its dump the next one comes when half of the entries
         kept will be new at the rate of calls since the last, at the latest ``interval`` later, and no sooner than
@@ -169,6 +171,8 @@ class RecorderAudit:
             gap = min(self.interval, self.entries / 2 / rate) if rate > 0 else self.interval
             self._counted = (now, calls)
             self._next = now + max(gap, took / self.cpu_share)
+            if not background:
+                return None  # published and compared at the next beat
         with self._lock:
             if not self._unpublished:
                 return None

@@ -687,6 +687,7 @@ def test_heartbeat_merge_ab_table_is_the_result_files():
         "step_pauses-intel-de88abb",
         "step_pauses-intel-e8781ec",
         "step_pauses-intel-inline-beat-96bc357",
+        "step_pauses-intel-split-audit-9b93cea",
         "strategy_cost_ab-inline-beat",
         "instructions_per_step-d160373",
         "instructions_per_step-6c50b88",
@@ -1568,4 +1569,35 @@ def test_the_tiny_step_run_with_the_beat_on_the_training_thread_is_the_result_fi
         "bench/README.md",
         f"the training thread's CPU ratio {nolog['cpu_step_s']['of_medians']:.3f}: one noisy run",
         f"The strategy's own threads took {own * 1e6:.1f} us per step",
+    )
+
+
+def test_the_audit_split_over_two_beats_is_the_result_file():
+    """bench/README.md's step_pauses run at 9b93cea (the audit's dump and its publication in different beats)."""
+    fits = result("step_pauses-intel-split-audit-9b93cea")["fits"]
+    stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
+    safe = [f for f in fits if f["variant"] == "safe"]
+    for fit in safe:
+        holds, beats = fit["background_holds"], fit["beats"]
+        main = beats["MainThread"]
+        assert set(beats) == {"MainThread"}
+        row = (
+            f"| {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
+            f"{holds['over_1ms_on_core']} | {holds['longest']['cpu_s'] * 1e3:.3f} | {main['count']} / 0 | "
+            f"{main['longest_wall_s'] * 1e3:.3f} / {main['longest_cpu_s'] * 1e3:.3f} | "
+            f"{fit['hook_gaps']['p999_s'] * 1e3:.3f} / {stock[fit['round']]['hook_gaps']['p999_s'] * 1e3:.3f} |"
+        )
+        assert_on("bench/README.md", row)
+    cpu = [f"{f['beats']['MainThread']['longest_cpu_s'] * 1e3:.3f}" for f in safe]
+    assert_on("bench/README.md", f"({cpu[0]} and {cpu[1]}, against 2.0 and 2.2 before the")
+    earlier = result("step_pauses-intel-inline-beat-96bc357")["fits"]
+    before = [f["beats"]["MainThread"]["longest_cpu_s"] for f in earlier if f["variant"] == "safe"]
+    assert [f"{c * 1e3:.1f}" for c in before] == ["2.0", "2.2"]
+    assert [f["background_holds"]["over_1ms_wall"] for f in safe] == [1, 0]
+    assert [f["background_holds"]["over_1ms_on_core"] for f in safe] == [0, 0]
+    longest = safe[0]["background_holds"]["longest_by_wall"]
+    assert_on(
+        "bench/README.md",
+        f"{longest['wall_less_profiling_s'] * 1e3:.3f} ms wall, {longest['on_core_s'] * 1e3:.3f} ms on a core, "
+        f"{longest['runnable_s'] * 1e3:.3f} ms runnable",
     )

@@ -1522,23 +1522,37 @@ def test_every_option_off_run_is_the_result_file():
     )
 
 
-def test_the_beat_on_the_training_thread_is_the_result_files():
-    """bench/README.md's section on the beat on the training thread: step_pauses' row per round, the A/B table."""
-    fits = result("step_pauses-intel-inline-beat-96bc357")["fits"]
+def _beat_table_rows(name: str) -> list[dict[str, Any]]:
+    """bench/README.md's rows of a step_pauses run with the beat on the training thread; its safe fits.
+
+    Every beat in training ran on the training thread ("training thread / heartbeat thread": n / 0).
+    """
+    fits = result(name)["fits"]
     stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
     safe = [f for f in fits if f["variant"] == "safe"]
     for fit in safe:
         holds, beats = fit["background_holds"], fit["beats"]
         main = beats["MainThread"]
-        assert set(beats) == {"MainThread"}  # "every beat ran on the training thread"
-        assert holds["over_1ms"] == holds["over_1ms_wall"] == holds["over_1ms_on_core"] == 0
+        assert set(beats) == {"MainThread"}
         row = (
-            f"| {fit['round']} | {holds['stretches']} | 0 | 0 | 0 | {holds['longest']['cpu_s'] * 1e3:.3f} | "
-            f"{main['count']} / 0 | {main['longest_wall_s'] * 1e3:.3f} / {main['longest_cpu_s'] * 1e3:.3f} | "
+            f"| {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
+            f"{holds['over_1ms_on_core']} | {holds['longest']['cpu_s'] * 1e3:.3f} | {main['count']} / 0 | "
+            f"{main['longest_wall_s'] * 1e3:.3f} / {main['longest_cpu_s'] * 1e3:.3f} | "
             f"{fit['hook_gaps']['p999_s'] * 1e3:.3f} / {stock[fit['round']]['hook_gaps']['p999_s'] * 1e3:.3f} |"
         )
         assert_on("bench/README.md", row)
-        assert fit["hook_gaps"]["p999_s"] < stock[fit["round"]]["hook_gaps"]["p999_s"]  # "below stock's in both"
+    return safe
+
+
+def test_the_beat_on_the_training_thread_is_the_result_files():
+    """bench/README.md's section on the beat on the training thread: step_pauses' row per round, the A/B table."""
+    safe = _beat_table_rows("step_pauses-intel-inline-beat-96bc357")
+    stock = [f for f in result("step_pauses-intel-inline-beat-96bc357")["fits"] if f["variant"] == "stock"]
+    for fit in safe:
+        holds = fit["background_holds"]
+        assert holds["over_1ms"] == holds["over_1ms_wall"] == holds["over_1ms_on_core"] == 0
+        (same,) = [f for f in stock if f["round"] == fit["round"]]
+        assert fit["hook_gaps"]["p999_s"] < same["hook_gaps"]["p999_s"]  # "below stock's in both"
     longest = max(f["background_holds"]["longest"]["cpu_s"] for f in safe)
     assert_on("bench/README.md", f"the longest {longest * 1e3:.3f} ms of CPU, against about 450 stretches before")
     ab = result("strategy_cost_ab-inline-beat")
@@ -1574,20 +1588,7 @@ def test_the_tiny_step_run_with_the_beat_on_the_training_thread_is_the_result_fi
 
 def test_the_audit_split_over_two_beats_is_the_result_file():
     """bench/README.md's step_pauses run at 9b93cea (the audit's dump and its publication in different beats)."""
-    fits = result("step_pauses-intel-split-audit-9b93cea")["fits"]
-    stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
-    safe = [f for f in fits if f["variant"] == "safe"]
-    for fit in safe:
-        holds, beats = fit["background_holds"], fit["beats"]
-        main = beats["MainThread"]
-        assert set(beats) == {"MainThread"}
-        row = (
-            f"| {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
-            f"{holds['over_1ms_on_core']} | {holds['longest']['cpu_s'] * 1e3:.3f} | {main['count']} / 0 | "
-            f"{main['longest_wall_s'] * 1e3:.3f} / {main['longest_cpu_s'] * 1e3:.3f} | "
-            f"{fit['hook_gaps']['p999_s'] * 1e3:.3f} / {stock[fit['round']]['hook_gaps']['p999_s'] * 1e3:.3f} |"
-        )
-        assert_on("bench/README.md", row)
+    safe = _beat_table_rows("step_pauses-intel-split-audit-9b93cea")
     cpu = [f"{f['beats']['MainThread']['longest_cpu_s'] * 1e3:.3f}" for f in safe]
     assert_on("bench/README.md", f"({cpu[0]} and {cpu[1]}, against 2.0 and 2.2 before the")
     earlier = result("step_pauses-intel-inline-beat-96bc357")["fits"]

@@ -428,6 +428,13 @@ def fake_collective_trace(before_parsing: Callable[[], object] | None = None) ->
     return [{**_entry(seq), "retired": seq <= recorder.completed} for seq in range(first, recorder.enqueued + 1)]
 
 
+def fake_collective_dump(
+    before_parsing: Callable[[], object] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """``collective_dump`` of the calling thread's simulated rank: its trace and status."""
+    return fake_collective_trace(before_parsing), fake_collective_status()
+
+
 def fake_training_thread_in_torch() -> bool:
     """``_training_thread_in_torch`` of the calling thread's simulated rank."""
     return _current_recorder().in_torch
@@ -490,7 +497,11 @@ def install_fakes() -> None:
         audit = importlib.import_module("ddp_strategy.desync_audit")
     except ModuleNotFoundError:
         return
-    for name, fake in (("collective_status", fake_collective_status), ("collective_trace", fake_collective_trace)):
+    for name, fake in (
+        ("collective_status", fake_collective_status),
+        ("collective_trace", fake_collective_trace),
+        ("collective_dump", fake_collective_dump),
+    ):
         if hasattr(audit, name):
             setattr(audit, name, fake)
 

@@ -18,10 +18,11 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   Python code only: a release inside a C-level callable (a ``functools.partial`` of ``time.sleep``) ends no
   stretch. A stretch that ran a garbage collection (``gc.callbacks``, per thread) is counted apart, and each
   stretch's wall time is kept beside its CPU;
-* **every Flight Recorder dump with stacks** (``collective_trace``): on which thread, its wall and CPU time, the
-  first one (the slowest, symbols loaded) included;
+* **every Flight Recorder dump with stacks** (``collective_trace``, ``collective_dump``): on which thread, its wall
+  and CPU time, the first one (the slowest, symbols loaded) included;
 * **every heartbeat beat** (``Heartbeat._beat_once``): on which thread (the training thread runs the due beat at a
-  step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time;
+  step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time; and every
+  desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``);
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
   backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
   stock against safe (what the training thread saw, the machine's own noise included).
@@ -329,22 +330,26 @@ class Dumps:
 
 
 class Beats:
-    """Every heartbeat beat (``Heartbeat._beat_once``): thread, wall and CPU seconds, whether in training."""
+    """Every heartbeat beat (``Heartbeat._beat_once``) in training, and every other ``kind`` of call wrapped.
+
+    Per call: its kind, thread, wall and CPU seconds.
+    """
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
         self.training = False
 
-    def wrap(self, beat_once: Callable[..., bool]) -> Callable[..., bool]:
-        @functools.wraps(beat_once)
-        def timed(heartbeat: Any, *args: Any, **kwargs: Any) -> bool:
+    def wrap(self, method: Callable[..., Any], kind: str = "beat") -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(owner: Any, *args: Any, **kwargs: Any) -> Any:
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
-                return beat_once(heartbeat, *args, **kwargs)
+                return method(owner, *args, **kwargs)
             finally:
                 if self.training:
                     self.calls.append(
                         {
+                            "kind": kind,
                             "thread": threading.current_thread().name,
                             "wall_s": time.perf_counter() - wall,
                             "cpu_s": time.thread_time() - cpu,
@@ -353,10 +358,10 @@ class Beats:
 
         return timed
 
-    def summary(self) -> dict[str, Any]:
-        """Beats in training by thread: how many, the longest by wall time and by CPU time."""
+    def summary(self, kind: str = "beat") -> dict[str, Any]:
+        """The calls of ``kind`` in training by thread: how many, the longest by wall time and by CPU time."""
         threads: dict[str, dict[str, Any]] = {}
-        for call in self.calls:
+        for call in (c for c in self.calls if c["kind"] == kind):
             row = threads.setdefault(call["thread"], {"count": 0, "longest_wall_s": 0.0, "longest_cpu_s": 0.0})
             row["count"] += 1
             row["longest_wall_s"] = max(row["longest_wall_s"], call["wall_s"])
@@ -416,11 +421,18 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     holds = Holds(event_cost, collections.on_this_thread)
     dumps = Dumps()
     beats = Beats()
-    originals = {m: m.collective_trace for m in (desync_module, audit_module)}
-    for module, dump in originals.items():
-        module.collective_trace = dumps.wrap(dump)  # type: ignore[attr-defined]
+    originals = {
+        (module, name): getattr(module, name)
+        for module, name in ((desync_module, "collective_trace"), (audit_module, "collective_trace"))
+        + ((audit_module, "collective_dump"),) * hasattr(audit_module, "collective_dump")
+    }
+    for (module, name), dump in originals.items():
+        setattr(module, name, dumps.wrap(dump))
     beat_once = heartbeat_module.Heartbeat._beat_once
     heartbeat_module.Heartbeat._beat_once = beats.wrap(beat_once)  # type: ignore[method-assign]
+    step_dump = getattr(desync_module.DesyncMonitor, "_dump_in_step", None)
+    if step_dump is not None:
+        desync_module.DesyncMonitor._dump_in_step = beats.wrap(step_dump, "step dump")  # type: ignore[method-assign]
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
     gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
@@ -445,9 +457,11 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
         gc.callbacks.remove(collections.callback)
-        for module, dump in originals.items():
-            module.collective_trace = dump  # type: ignore[attr-defined]
+        for (module, name), dump in originals.items():
+            setattr(module, name, dump)
         heartbeat_module.Heartbeat._beat_once = beat_once  # type: ignore[method-assign]
+        if step_dump is not None:
+            desync_module.DesyncMonitor._dump_in_step = step_dump  # type: ignore[method-assign]
     gaps = sorted(clock.gaps)
     in_training = [d for d in dumps.calls if d["during_training"]]
     background = [d for d in in_training if d["thread"].startswith("ddp_strategy-")]
@@ -480,6 +494,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         },
         "garbage_collections": {"count": collections.count, "longest": collections.longest},
         "beats": beats.summary(),
+        # the audit's dumps the training thread ran at a step of their own (DesyncMonitor._dump_in_step)
+        "step_dumps": beats.summary("step dump"),
         "dumps": {
             "all": dumps.calls,
             "first": dumps.calls[0] if dumps.calls else None,
@@ -590,7 +606,12 @@ def render(result: dict[str, Any]) -> list[str]:
                 f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
                 for thread, b in sorted(row["beats"].items())
             )
-            lines.append(f"- round {row['round']}: {text or 'none'}")
+            steps = ", ".join(
+                f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
+                for thread, b in sorted(row.get("step_dumps", {}).items())
+            )
+            extra = f"; the audit's dumps at a step of their own: {steps}" if steps else ""
+            lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
     if scheduled:
         lines += [

@@ -163,12 +163,16 @@ class FakeRecorder:
             before_parsing()
         return self.entries[-self.size :]
 
+    def dump(self, before_parsing: Callable[[], object] | None = None) -> tuple[list[dict[str, Any]], Any]:
+        return self.trace(before_parsing), self.status()
+
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> FakeRecorder:
     fake = FakeRecorder()
     monkeypatch.setattr(audit_module, "collective_status", fake.status)
     monkeypatch.setattr(audit_module, "collective_trace", fake.trace)
+    monkeypatch.setattr(audit_module, "collective_dump", fake.dump)
     return fake
 
 
@@ -211,7 +215,8 @@ def test_a_background_dump_lets_the_gil_go_between_torchs_dump_and_its_unpicklin
 
     def dump(**options: bool) -> bytes:
         events.append("dump")
-        return pickle.dumps({"entries": [entry(1, 10)]})
+        status = {"last_enqueued_collective": 1, "last_started_collective": 1, "last_completed_collective": 1}
+        return pickle.dumps({"pg_status": {"0": status}, "entries": [entry(1, 10)]})
 
     unpickle = pickle.loads
     monkeypatch.setattr(torch._C._distributed_c10d, "_dump_fr_trace", dump, raising=False)
@@ -224,7 +229,8 @@ def test_a_background_dump_lets_the_gil_go_between_torchs_dump_and_its_unpicklin
     events.clear()
     audit = RecorderAudit(0, 2)
     audit.dump_now()  # the training thread's, as an epoch starts: it would only wait longer for the GIL
-    assert events == ["dump", "unpickle"] and audit.calls.newest == {"0": 1}
+    # and it reads the recorder's counters from its one dump (a call of their own costs a third of a dump)
+    assert events == ["dump", "unpickle"] and audit.calls.newest == {"0": 1} and audit._status == {"0": (1, 1)}
 
 
 def test_a_rank_that_publishes_second_finds_the_call_its_peer_made_elsewhere(recorder: FakeRecorder):
@@ -376,28 +382,32 @@ def test_only_a_background_audit_lets_the_gil_go_around_its_dump(
     # thread (Heartbeat.inline) those sleeps would only make that thread wait longer
     sleeps: list[float] = []
     monkeypatch.setattr(audit_module, "_let_go_of_the_gil", lambda: sleeps.append(1.0))
-    store = torch.distributed.HashStore()
     clock = [100.0]
     monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
     audit = RecorderAudit(0, 2, interval=5.0, entries=16, cpu_share=1.0)
     clock[0] += 5.0
     recorder.call(8)
-    audit.compare(store, background=background)
+    audit.dump_if_due(background=background)
     assert recorder.dumps == 1 and audit.calls.newest == {"0": 8}
     # before the dump, between it and its parsing, after it, and between the two chunks of 4 entries
     assert len(sleeps) == (4 if background else 0), sleeps
 
 
-def test_on_the_training_thread_a_dump_is_its_beats_whole_audit_and_the_next_beat_publishes(recorder: FakeRecorder):
-    # a beat on the training thread (Heartbeat.inline) takes the dump or the publication and comparison, never both
+def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_own_and_the_next_beat_publishes(
+    recorder: FakeRecorder,
+):
+    # a beat on the training thread (Heartbeat.inline) publishes and compares; the dump it found due runs at the next
+    # step (DesyncMonitor._dump_in_step through Heartbeat.at_next_step): no step takes a beat and a dump
     store = torch.distributed.HashStore()
     ranks = [RecorderAudit(r, 2, interval=0.0) for r in (0, 1)]
     recorder.call(3)
     assert ranks[1].compare(store) is None  # rank 1, on its heartbeat thread: dumps and publishes at once
     assert store.check([ranks[1].key])
     recorder.entries[1] = entry(2, line=99)  # rank 0's call #2 from another line
-    assert ranks[0].compare(store, background=False) is None and recorder.dumps == 2
-    assert not store.check([ranks[0].key]) and ranks[0].due()  # dumped, not published: due at the next beat
-    ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the last one found
+    assert ranks[0].dump_due() and ranks[0].compare(store, background=False) is None
+    assert recorder.dumps == 1 and ranks[0].dump_due()  # the beat did not dump: still due
+    ranks[0].dump_if_due(background=False)  # the next training step
+    assert recorder.dumps == 2 and not store.check([ranks[0].key]) and ranks[0].due()  # published at the next beat
+    ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the step's dump found
     assert ranks[0].compare(store, background=False) == ("0", 2) and recorder.dumps == 2
     assert store.check([ranks[0].key]) and not ranks[0].due()

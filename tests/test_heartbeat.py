@@ -304,6 +304,34 @@ def test_a_hook_in_a_training_thread_beat_hands_work_that_waits_to_the_heartbeat
     ]
 
 
+def test_a_task_left_for_the_next_step_runs_there_apart_from_the_beat_once():
+    # the desync audit's dump (about 0.8 ms) comes one step after the beat on the training thread that found it due
+    store = CountingStore()
+    beat = Heartbeat(rank=0, world_size=2, interval=1.0, store=store, desync_agreed=lambda: False)
+    beats: list[int | None] = []
+    ran: list[tuple[int | None, str]] = []
+
+    def task() -> None:
+        ran.append((beat.step, threading.current_thread().name))
+
+    def hook(_: object) -> None:
+        beats.append(beat.step)
+        if beat.inline and len(beats) == 1:
+            beat.at_next_step(lambda: ran.append((-1, "replaced")))
+            beat.at_next_step(task)  # replaces the task not run yet
+
+    beat.add_beat(hook)
+    beat.start()
+    try:
+        step = 0
+        while len(beats) < 2 and step < 1000:  # two beats, about 1 and 2 s in
+            step = step_for(beat, 0.05, first_step=step)
+    finally:
+        beat.stop()
+    first = beats[0]
+    assert first is not None and ran == [(first + 1, "MainThread")], (beats, ran)  # the next step, once
+
+
 def test_no_beat_on_the_training_thread_without_a_heartbeat_thread():
     store = CountingStore()
     beat, hook = logged(store, 0)

@@ -271,7 +271,10 @@ class DesyncMonitor:
             self._take_part(store, _open(store, inquiry))
             return
         if self.recorder.due():
-            difference = self.recorder.compare(store, background=not control.heartbeat.inline)
+            inline = control.heartbeat.inline
+            if inline and self.recorder.dump_due():  # the dump at the next step, apart from this beat
+                control.heartbeat.at_next_step(self._dump_in_step)
+            difference = self.recorder.compare(store, background=not inline)
             if difference is not None and difference not in self._audit_inquired:
                 self._audit_inquired.add(difference)  # once per call: the verdict names it
                 self._take_part(store, _open(store, inquiry))
@@ -288,6 +291,10 @@ class DesyncMonitor:
             self._answer(store, inquiry)
 
     # ------------------------------------------------------------------ auditing
+    def _dump_in_step(self) -> None:
+        """On the training thread, at a step's start after a beat there: the audit's dump that beat found due."""
+        self.recorder.dump_if_due(background=False)
+
     def update_audit(self) -> dict[str, list[Any]]:
         """Add the recorder's new calls to the audit (one dump with stacks) and return its publication."""
         return self.recorder.update()

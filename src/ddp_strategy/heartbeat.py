@@ -19,7 +19,8 @@ it runs, and on a busy machine the scheduler may take its core in mid-beat: the 
 the GIL for a whole time slice. A beat on the training thread costs that thread the same work and no such wait. When
 the training thread stops beating (it waits in a collective, a barrier, a long step, or evaluates), the heartbeat
 thread beats as before. A beat hook whose work may wait long (answering a desync inquiry waits for every rank) does
-not do it on the training thread: it asks the heartbeat thread with :meth:`Heartbeat.hand_over`.
+not do it on the training thread: it asks the heartbeat thread with :meth:`Heartbeat.hand_over`; one whose work is
+costly but never waits runs it at the next training step, apart from the beat (:meth:`Heartbeat.at_next_step`).
 
 A failing rank publishes its failure through it (:meth:`Heartbeat.note_failure`); rank 0, which hosts the store,
 waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals grow beyond
@@ -162,6 +163,7 @@ class Heartbeat:
         self._stepped_at = -1e9  # time.monotonic() of the training thread's last training-step note
         self._inline_off = False  # the training thread beats no more (the store failed it; the thread reports it)
         self._handed_over = False  # a hook asked the heartbeat thread to beat now (see `hand_over`)
+        self._step_task: Callable[[], None] | None = None  # for the training thread's next step (see `at_next_step`)
 
     @property
     def position(self) -> Position:
@@ -249,6 +251,12 @@ class Heartbeat:
         self._stepped_at = now = time.monotonic()
         if now >= self._next_publish:  # once an interval: the beat, here on the training thread
             self.beat_if_due()
+        elif self._step_task is not None:  # work a beat left for a step of its own (see `at_next_step`)
+            task, self._step_task = self._step_task, None
+            try:
+                task()
+            except Exception as err:  # a diagnosis must never stop training
+                log.warning("ddp_strategy: rank %d: a heartbeat task failed: %r", self.rank, err)
 
     def beat_if_due(self) -> None:
         """On the training thread: the beat that is due, unless the heartbeat thread is in one (no waiting).
@@ -269,6 +277,16 @@ class Heartbeat:
             self._beat_lock.release()
         if self._inline_off:
             self.hand_over()
+
+    def at_next_step(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the training thread at the start of its next training step that runs no beat, once.
+
+        For a beat hook on the training thread (:attr:`inline`) whose work would make one step's pause too long next
+        to the beat's: the desync audit's recorder dump (about 0.8 ms with cold caches) comes one step after the
+        beat that found it due. Replaces a task not run yet; one the training thread does not reach (it stopped
+        training) waits for its next training step. An exception from ``task`` is logged, not raised.
+        """
+        self._step_task = task
 
     def hand_over(self) -> None:
         """Ask the heartbeat thread for a beat now.
@@ -410,6 +428,7 @@ class Heartbeat:
             self._thread.join(timeout=max(5.0, 2 * self.interval) if timeout is None else timeout)
         self._thread = None
         self._next_publish = math.inf  # the training thread's steps look for no beat any more
+        self._step_task = None
 
     def _stop_at_exit(self) -> None:
         # a rank that exits without teardown (an error under the spawn launcher): no store call in flight while

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "SHARED_DEVICE_MOST_RANKS",
+    "collective_dump",
     "collective_status",
     "collective_trace",
     "collective_trace_enabled",
@@ -316,7 +317,11 @@ def collective_status() -> dict[str, tuple[int, int]]:
 
     Empty when the Flight Recorder is off.
     """
-    status = _dump_trace(includeCollectives=False).get("pg_status", {})
+    return _status_of(_dump_trace(includeCollectives=False))
+
+
+def _status_of(dump: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    status = dump.get("pg_status", {})
     return {
         str(pg): (int(s["last_enqueued_collective"]), int(s["last_completed_collective"])) for pg, s in status.items()
     }
@@ -335,4 +340,20 @@ def collective_trace(before_parsing: Callable[[], object] | None = None) -> list
             waiting for it waits for one of them at most).
 
     """
-    return list(_dump_trace(before_parsing, includeStackTraces=True).get("entries", []))
+    return collective_dump(before_parsing)[0]
+
+
+def collective_dump(
+    before_parsing: Callable[[], object] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """:func:`collective_trace` and :func:`collective_status` from one dump (the status alone costs a third of it).
+
+    Args:
+        before_parsing: as for :func:`collective_trace`.
+
+    Returns:
+        The entries, oldest first, and the status per process group id.
+
+    """
+    dump = _dump_trace(before_parsing, includeStackTraces=True)
+    return list(dump.get("entries", [])), _status_of(dump)

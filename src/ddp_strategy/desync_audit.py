@@ -133,11 +133,12 @@ class RecorderAudit:
                     for e in recorded
                     if int(e.get("collective_seq_id") or 0) > newest.get(str(e.get("pg_id", "?")), 0)
                 ]
-                for start in range(0, len(entries), _PARSED_AT_ONCE):
+                chunk = _PARSED_AT_ONCE if let_go else max(1, len(entries))  # one parse: its stacks looked up once
+                for start in range(0, len(entries), chunk):
                     if start and let_go:
                         let_go()
                     # no notes: what a call was must come from its own stack, the same on every rank at any time
-                    self.calls.add(calls_from_trace(entries[start : start + _PARSED_AT_ONCE]))
+                    self.calls.add(calls_from_trace(entries[start : start + chunk]))
                 self._unpublished = True
             return sum(enqueued for enqueued, _ in status.values())
         finally:

@@ -56,6 +56,15 @@ def test_the_ledger_digest_is_the_eager_one_computed_by_the_reading_thread():
     assert len(unread._pending) < 1024 and unread.state[0] == 5000
 
 
+def test_a_beat_takes_few_calls_into_the_ledger_however_many_steps_a_second_the_rank_makes():
+    # the beat runs on the training thread while it trains: 400 steps a second with a sync_dist log each made it
+    # settle 400 calls at once (about 1 ms, issue 30 point 2); the adding thread settles every 64 instead
+    ledger = CallLedger()
+    for i in range(1000):
+        ledger.add(f"reduce training_step.loss{i % 2} torch.float32[] mean")
+    assert len(ledger._pending) < 64 and ledger.state[0] == 1000
+
+
 def test_the_ledger_lets_the_gil_go_only_after_holding_it_a_quarter_millisecond(monkeypatch: pytest.MonkeyPatch):
     """A second of calls is settled without a sleep: on a VM a sleep costs more CPU than the calls (issue 30)."""
     import ddp_strategy.collective_record as record
@@ -65,6 +74,7 @@ def test_the_ledger_lets_the_gil_go_only_after_holding_it_a_quarter_millisecond(
     ledger = CallLedger()
     monkeypatch.setattr(record.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(record.time, "sleep", lambda seconds: sleeps.append(len(ledger._pending)))
+    monkeypatch.setattr(record, "_PENDING_MOST", 10**6)  # a backlog of calls, as before the adding thread settled
     for i in range(1000):
         ledger.add(f"reduce x{i}")
     assert ledger.state[0] == 1000 and sleeps == []  # quick enough: no sleep

@@ -503,7 +503,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "background": len(background),
             "longest_background_wall_s": max((d["wall_s"] for d in background), default=0.0),
             "longest_background_cpu_s": max((d["cpu_s"] for d in background), default=0.0),
-            # as each epoch starts, on the training thread (its own work, once per epoch, not a background pause)
+            # on the training thread (its own work, not a background pause): as each epoch starts, and since d9b3690
+            # the audit's dumps at a step of their own (timed whole under "step_dumps")
             "training_thread": len(training_thread),
             "longest_training_thread_wall_s": max((d["wall_s"] for d in training_thread), default=0.0),
         },
@@ -524,7 +525,8 @@ def render(result: dict[str, Any]) -> list[str]:
         "background GIL stretches | longest stretch (ms, thread, between the calls that let the GIL go) "
         "| stretches over 1 ms | longest C call in one "
         "(ms) | recorder dumps on background threads in training (longest, ms wall / CPU) | on the training thread "
-        "as epochs start (longest, ms wall) | longest garbage collection (ms, generation, thread) |",
+        "(as epochs start, and the audit's at a step of their own; longest torch dump, ms wall) | longest garbage "
+        "collection (ms, generation, thread) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["fits"]:

@@ -688,7 +688,12 @@ def test_heartbeat_merge_ab_table_is_the_result_files():
         "step_pauses-intel-e8781ec",
         "step_pauses-intel-inline-beat-96bc357",
         "step_pauses-intel-split-audit-9b93cea",
+        "step_pauses-intel-dump-step-df9e37c",
         "strategy_cost_ab-inline-beat",
+        "strategy_cost_ab-dump-step",
+        "tiny_step-intel-dump-step-1-c46ad94",
+        "tiny_step-intel-dump-step-2-c46ad94",
+        "tiny_step-intel-dump-step-3-c46ad94",
         "instructions_per_step-d160373",
         "instructions_per_step-6c50b88",
         "flight_recorder_cost",
@@ -1252,6 +1257,13 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
         f"{beat['of_medians']:.3f} in one run since the heartbeat's beat moved to the training thread (96bc357; "
         f"paired median {beat['paired']['median']:.3f})" in row
     )
+    pool = _ratio_row(result("tiny_step-intel-pooled-dump-step-3-runs"), "nolog", "safe / stock")
+    by_run = [_ratio_row(result(f"tiny_step-intel-dump-step-{n}-c46ad94"), "nolog", "safe / stock") for n in (1, 2, 3)]
+    runs = ", ".join(f"{r['step_mean_s']['of_medians']:.3f}" for r in by_run)
+    assert (
+        f"{pool['step_mean_s']['of_medians']:.3f} pooled over three runs at c46ad94 ({runs} by run; the training "
+        f"thread's CPU {pool['cpu_step_s']['of_medians']:.3f})" in row
+    )
 
 
 def test_where_safes_added_instructions_go_is_the_result_files():
@@ -1522,10 +1534,11 @@ def test_every_option_off_run_is_the_result_file():
     )
 
 
-def _beat_table_rows(name: str) -> list[dict[str, Any]]:
+def _beat_table_rows(name: str, *, step_dumps: bool = False) -> list[dict[str, Any]]:
     """bench/README.md's rows of a step_pauses run with the beat on the training thread; its safe fits.
 
-    Every beat in training ran on the training thread ("training thread / heartbeat thread": n / 0).
+    Every beat in training ran on the training thread ("training thread / heartbeat thread": n / 0). ``step_dumps``:
+    the rows have a column for the audit's dumps at a step of their own, all on the training thread.
     """
     fits = result(name)["fits"]
     stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
@@ -1538,8 +1551,12 @@ def _beat_table_rows(name: str) -> list[dict[str, Any]]:
             f"| {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
             f"{holds['over_1ms_on_core']} | {holds['longest']['cpu_s'] * 1e3:.3f} | {main['count']} / 0 | "
             f"{main['longest_wall_s'] * 1e3:.3f} / {main['longest_cpu_s'] * 1e3:.3f} | "
-            f"{fit['hook_gaps']['p999_s'] * 1e3:.3f} / {stock[fit['round']]['hook_gaps']['p999_s'] * 1e3:.3f} |"
         )
+        if step_dumps:
+            assert set(fit["step_dumps"]) == {"MainThread"}
+            dump = fit["step_dumps"]["MainThread"]
+            row += f"{dump['count']} ({dump['longest_wall_s'] * 1e3:.3f} / {dump['longest_cpu_s'] * 1e3:.3f}) | "
+        row += f"{fit['hook_gaps']['p999_s'] * 1e3:.3f} / {stock[fit['round']]['hook_gaps']['p999_s'] * 1e3:.3f} |"
         assert_on("bench/README.md", row)
     return safe
 
@@ -1584,6 +1601,64 @@ def test_the_tiny_step_run_with_the_beat_on_the_training_thread_is_the_result_fi
         f"the training thread's CPU ratio {nolog['cpu_step_s']['of_medians']:.3f}: one noisy run",
         f"The strategy's own threads took {own * 1e6:.1f} us per step",
     )
+
+
+def test_the_audits_dump_at_a_step_of_its_own_is_the_result_files():
+    """bench/README.md's step_pauses run at df9e37c and the A/B against 5251d69."""
+    safe = _beat_table_rows("step_pauses-intel-dump-step-df9e37c", step_dumps=True)
+    stock = {f["round"]: f for f in result("step_pauses-intel-dump-step-df9e37c")["fits"] if f["variant"] == "stock"}
+    for fit in safe:
+        holds = fit["background_holds"]
+        assert holds["over_1ms"] == holds["over_1ms_wall"] == holds["over_1ms_on_core"] == 0
+        assert fit["hook_gaps"]["p999_s"] < stock[fit["round"]]["hook_gaps"]["p999_s"]
+    beats = [f"{f['beats']['MainThread']['longest_cpu_s'] * 1e3:.2f}" for f in safe]
+    assert_on("bench/README.md", f"**The longest beat took {beats[0]} and {beats[1]} ms of CPU**")
+    dumps = sorted(f["step_dumps"]["MainThread"]["longest_cpu_s"] for f in safe)
+    assert f"{dumps[0] * 1e3:.1f} to {dumps[-1] * 1e3:.1f} ms" == "1.3 to 1.5 ms"  # "takes 1.3 to 1.5 ms of CPU"
+    ab = result("strategy_cost_ab-dump-step")
+    assert ab["base"].startswith("5251d69") and ab["head"].startswith("263e29f") and not ab["dirty"]
+    assert_ab_table(ab, "#### The audit's dump at a step of its own", {"own": "own CPU per step, in all"})
+    assert min(ab["analysis"]["mlp"]["own"]["ratios"]) > 1.04  # "both rounds came out 5% higher"
+    assert ab["analysis"]["tiny"]["own"]["median"] < 1
+
+
+DUMP_STEP_RUNS = {
+    "`dump-step-1`": "tiny_step-intel-dump-step-1-c46ad94",
+    "`dump-step-2`": "tiny_step-intel-dump-step-2-c46ad94",
+    "`dump-step-3`": "tiny_step-intel-dump-step-3-c46ad94",
+    "pooled, 30 rounds": "tiny_step-intel-pooled-dump-step-3-runs",
+}
+
+
+def test_the_tiny_step_runs_with_the_audits_dump_at_a_step_of_its_own_are_the_result_files():
+    """bench/README.md's three tiny-step runs at c46ad94, their pool and the figures quoted under the table."""
+    section = " ".join((ROOT / "bench/README.md").read_text().split("#### The audit's dump at a step")[1].split())
+    for label, name in DUMP_STEP_RUNS.items():
+        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in section, label
+        if not label.startswith("pooled"):
+            assert result(name)["meta"]["git"] == "commit c46ad94"
+            assert result(name)["config"]["bare_kwargs"] == {"desync_detection": False}
+    pool = result(DUMP_STEP_RUNS["pooled, 30 rounds"])
+    assert [s["run"] for s in pool["pooled_from"]] == list(DUMP_STEP_RUNS.values())[:-1]
+    nolog = _ratio_row(pool, "nolog", "safe / stock")
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    assert (
+        f"{nolog['step_mean_s']['of_medians']:.3f} without logging (paired median "
+        f"{nolog['step_mean_s']['paired']['median']:.3f}; resampling runs, then rounds within them, "
+        f"[{low:.3f}, {high:.3f}])" in section
+    )
+    runs = [_ratio_row(result(n), "nolog", "safe / stock") for n in list(DUMP_STEP_RUNS.values())[:-1]]
+    means = [f"{r['step_mean_s']['of_medians']:.3f}" for r in runs]
+    assert f"2 of 3 runs at most 1.02 ({means[0]}, {means[1]}; the third {means[2]})" in section
+    cpus = ", ".join(f"{r['cpu_step_s']['of_medians']:.3f}" for r in runs[:2])
+    assert f"{nolog['cpu_step_s']['of_medians']:.3f} pooled without logging ({cpus} and " in section
+    loads = [
+        x
+        for n in list(DUMP_STEP_RUNS.values())[1:-1]
+        for k in ("loadavg_start", "loadavg_end")
+        for x in result(n)["meta"][k][:1]
+    ]
+    assert f"{min(loads):.1f} to {max(loads):.1f} at the starts and ends of the last two runs" in section
 
 
 def test_the_audit_split_over_two_beats_is_the_result_file():

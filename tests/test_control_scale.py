@@ -430,7 +430,13 @@ def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(m
     control = _BeatingControl(0, 2, CountingStore(shared))
     monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
     dumps: list[bool] = []
-    monkeypatch.setattr(monitor.recorder, "_dump", lambda *, wait=True, background=True: dumps.append(background) or 0)
+
+    def dump(*, wait: bool = True, background: bool = True, parse: bool = True) -> int:
+        dumps.append(background)
+        monitor.recorder._fetched = None if parse else []
+        return 0
+
+    monkeypatch.setattr(monitor.recorder, "_dump", dump)
     tasks: list[Any] = []
     control.heartbeat.at_next_step = tasks.append  # type: ignore[attr-defined]
     monitor.recorder._next = 0.0  # a dump is due
@@ -439,10 +445,11 @@ def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(m
     assert dumps == [] and len(tasks) == 1  # none in the beat: one for the next step
     tasks[0]()  # that step
     assert dumps == [False] and not monitor.recorder.dump_due()  # the training thread's dump; the next one later
+    assert tasks[1:] == [monitor.recorder.parse_fetched]  # its parsing at the step after
     control.heartbeat.inline = False  # on the heartbeat thread (the training thread is not stepping): in the beat
     monitor.recorder._next = monitor._next_look = 0.0  # a dump due, and a beat that looks (once an interval)
     monitor.beat(CountingStore(shared))
-    assert dumps == [False, True] and len(tasks) == 1
+    assert dumps == [False, True] and len(tasks) == 2
 
 
 @pytest.mark.parametrize("kind", ["hash", "tcp"])

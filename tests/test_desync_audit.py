@@ -398,9 +398,35 @@ def test_only_a_background_audit_lets_the_gil_go_around_its_dump(
     clock[0] += 5.0
     recorder.call(8)
     audit.dump_if_due(background=background)
+    if not background:
+        audit.parse_fetched()  # the training thread's next step
     assert recorder.dumps == 1 and audit.calls.newest == {"0": 8}
     # before the dump, between it and its parsing, after it, and between the two chunks of 4 entries
     assert len(sleeps) == (4 if background else 0), sleeps
+
+
+def test_entries_fetched_on_the_training_thread_are_superseded_by_any_later_dump_and_their_parsing_is_budgeted(
+    recorder: FakeRecorder, monkeypatch: pytest.MonkeyPatch
+):
+    clock = [100.0]
+    monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
+    audit = RecorderAudit(0, 2, interval=5.0, entries=16, cpu_share=1e-4)
+    clock[0] += 5.0
+    recorder.call(4)
+    audit.dump_if_due(background=False)
+    assert audit.fetched and audit._next > clock[0]
+    after_dump = audit._next
+    audit.parse_fetched()  # its CPU (thread time, > 0) pushes the next dump later, as the dump's own did
+    assert audit.calls.newest == {"0": 4} and audit._next > after_dump
+    clock[0] = audit._next
+    recorder.call(4)
+    audit.dump_if_due(background=False)
+    assert audit.fetched
+    recorder.call(2)
+    audit.dump_now()  # a training epoch starts before the next step: its dump holds the newest entries
+    assert not audit.fetched and audit.calls.newest == {"0": 10}
+    audit.parse_fetched()  # nothing left to parse
+    assert audit.calls.newest == {"0": 10} and recorder.dumps == 3
 
 
 def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_own_and_the_next_beat_publishes(
@@ -416,8 +442,10 @@ def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_ow
     recorder.entries[1] = entry(2, line=99)  # rank 0's call #2 from another line
     assert ranks[0].dump_due() and ranks[0].compare(store, background=False) is None
     assert recorder.dumps == 1 and ranks[0].dump_due()  # the beat did not dump: still due
-    ranks[0].dump_if_due(background=False)  # the next training step
-    assert recorder.dumps == 2 and not store.check([ranks[0].key]) and ranks[0].due()  # published at the next beat
+    ranks[0].dump_if_due(background=False)  # the next training step: torch's dump only
+    assert recorder.dumps == 2 and ranks[0].fetched and ranks[0].calls.newest == {}  # nothing parsed yet
+    ranks[0].parse_fetched()  # the step after it: the parsing
+    assert not ranks[0].fetched and not store.check([ranks[0].key]) and ranks[0].due()  # published at the next beat
     ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the step's dump found
     assert ranks[0].compare(store, background=False) == ("0", 2) and recorder.dumps == 2
     assert store.check([ranks[0].key]) and not ranks[0].due()

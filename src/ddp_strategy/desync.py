@@ -292,8 +292,13 @@ class DesyncMonitor:
 
     # ------------------------------------------------------------------ auditing
     def _dump_in_step(self) -> None:
-        """On the training thread, at a step's start after a beat there: the audit's dump that beat found due."""
+        """On the training thread, at a step's start after a beat there: the audit's dump that beat found due.
+
+        Its entries are parsed at the next step (:meth:`RecorderAudit.parse_fetched`): no step takes both.
+        """
         self.recorder.dump_if_due(background=False)
+        if self.recorder.fetched:
+            self.control.heartbeat.at_next_step(self.recorder.parse_fetched)
 
     def update_audit(self) -> dict[str, list[Any]]:
         """Add the recorder's new calls to the audit (one dump with stacks) and return its publication."""

@@ -22,7 +22,8 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   and CPU time, the first one (the slowest, symbols loaded) included;
 * **every heartbeat beat** (``Heartbeat._beat_once``): on which thread (the training thread runs the due beat at a
   step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time; and every
-  desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``);
+  desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``)
+  and its parsing at the step after (``RecorderAudit.parse_fetched``);
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
   backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
   stock against safe (what the training thread saw, the machine's own noise included).
@@ -433,6 +434,9 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     step_dump = getattr(desync_module.DesyncMonitor, "_dump_in_step", None)
     if step_dump is not None:
         desync_module.DesyncMonitor._dump_in_step = beats.wrap(step_dump, "step dump")  # type: ignore[method-assign]
+    step_parse = getattr(audit_module.RecorderAudit, "parse_fetched", None)
+    if step_parse is not None:
+        audit_module.RecorderAudit.parse_fetched = beats.wrap(step_parse, "step parse")  # type: ignore[method-assign]
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
     gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
@@ -462,6 +466,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         heartbeat_module.Heartbeat._beat_once = beat_once  # type: ignore[method-assign]
         if step_dump is not None:
             desync_module.DesyncMonitor._dump_in_step = step_dump  # type: ignore[method-assign]
+        if step_parse is not None:
+            audit_module.RecorderAudit.parse_fetched = step_parse  # type: ignore[method-assign]
     gaps = sorted(clock.gaps)
     in_training = [d for d in dumps.calls if d["during_training"]]
     background = [d for d in in_training if d["thread"].startswith("ddp_strategy-")]
@@ -494,8 +500,10 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         },
         "garbage_collections": {"count": collections.count, "longest": collections.longest},
         "beats": beats.summary(),
-        # the audit's dumps the training thread ran at a step of their own (DesyncMonitor._dump_in_step)
+        # the audit's dumps the training thread ran at a step of their own (DesyncMonitor._dump_in_step), and their
+        # parsing at the step after (RecorderAudit.parse_fetched)
         "step_dumps": beats.summary("step dump"),
+        "step_parses": beats.summary("step parse"),
         "dumps": {
             "all": dumps.calls,
             "first": dumps.calls[0] if dumps.calls else None,
@@ -509,6 +517,14 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "longest_training_thread_wall_s": max((d["wall_s"] for d in training_thread), default=0.0),
         },
     }
+
+
+def _by_thread(summary: dict[str, Any]) -> str:
+    """A :meth:`Beats.summary` as text: per thread, its count and its longest call (ms wall / CPU)."""
+    return ", ".join(
+        f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
+        for thread, b in sorted(summary.items())
+    )
 
 
 def render(result: dict[str, Any]) -> list[str]:
@@ -604,15 +620,9 @@ def render(result: dict[str, Any]) -> list[str]:
             "",
         ]
         for row in beaten:
-            text = ", ".join(
-                f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
-                for thread, b in sorted(row["beats"].items())
-            )
-            steps = ", ".join(
-                f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
-                for thread, b in sorted(row.get("step_dumps", {}).items())
-            )
+            text, steps, parses = (_by_thread(row.get(kind, {})) for kind in ("beats", "step_dumps", "step_parses"))
             extra = f"; the audit's dumps at a step of their own: {steps}" if steps else ""
+            extra += f"; their parsing at the step after: {parses}" if parses else ""
             lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
     if scheduled:

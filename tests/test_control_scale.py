@@ -450,6 +450,8 @@ def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(m
     monitor.recorder._next = monitor._next_look = 0.0  # a dump due, and a beat that looks (once an interval)
     monitor.beat(CountingStore(shared))
     assert dumps == [False, True] and len(tasks) == 2
+    monitor.audit_now()  # a training epoch starts: the dump now, whatever the budget; its parsing at the next step
+    assert dumps == [False, True, False] and tasks[2:] == [monitor.recorder.parse_fetched]
 
 
 @pytest.mark.parametrize("kind", ["hash", "tcp"])

@@ -208,7 +208,9 @@ def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
     recorder.call(4, line=11)
     assert not audit.due()  # sampled: the budget holds the heartbeat's dumps back
     audit.dump_now()  # the training thread's dump as an epoch starts: whatever the budget
-    assert audit.due() and recorder.dumps == 3  # published at the next beat
+    assert not audit.due() and audit.fetched and recorder.dumps == 3
+    audit.parse_fetched()  # its next step
+    assert audit.due() and not audit.fetched  # published at the next beat
     mine = audit.compare(store)
     assert mine is None and not audit.due()
     recorder.call(2)
@@ -239,6 +241,7 @@ def test_a_background_dump_lets_the_gil_go_between_torchs_dump_and_its_unpicklin
     events.clear()
     audit = RecorderAudit(0, 2)
     audit.dump_now()  # the training thread's, as an epoch starts: it would only wait longer for the GIL
+    audit.parse_fetched()  # its next step
     # and it reads the recorder's counters from its one dump (a call of their own costs a third of a dump)
     assert events == ["dump", "unpickle"] and audit.calls.newest == {"0": 1} and audit._status == {"0": (1, 1)}
 
@@ -423,7 +426,7 @@ def test_entries_fetched_on_the_training_thread_are_superseded_by_any_later_dump
     audit.dump_if_due(background=False)
     assert audit.fetched
     recorder.call(2)
-    audit.dump_now()  # a training epoch starts before the next step: its dump holds the newest entries
+    audit.update()  # a stage ends before the next step: its dump holds the newest entries
     assert not audit.fetched and audit.calls.newest == {"0": 10}
     audit.parse_fetched()  # nothing left to parse
     assert audit.calls.newest == {"0": 10} and recorder.dumps == 3

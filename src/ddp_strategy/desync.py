@@ -297,6 +297,9 @@ class DesyncMonitor:
         Its entries are parsed at the next step (:meth:`RecorderAudit.parse_fetched`): no step takes both.
         """
         self.recorder.dump_if_due(background=False)
+        self._parse_at_next_step()
+
+    def _parse_at_next_step(self) -> None:
         if self.recorder.fetched:
             self.control.heartbeat.at_next_step(self.recorder.parse_fetched)
 
@@ -305,8 +308,9 @@ class DesyncMonitor:
         return self.recorder.update()
 
     def audit_now(self) -> None:
-        """As a training epoch starts: audit the recorder's calls now (see :meth:`RecorderAudit.dump_now`)."""
+        """As a training epoch starts: dump the recorder now, parse at the next step (``RecorderAudit.dump_now``)."""
         self.recorder.dump_now()
+        self._parse_at_next_step()
 
     def _ledger_differs(self, peer: dict[str, Any]) -> bool:
         """Whether the next rank's strategy collectives differ from this rank's at the count it reached.

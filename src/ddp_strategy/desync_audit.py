@@ -160,7 +160,7 @@ class RecorderAudit:
         return self._fetched is not None
 
     def parse_fetched(self) -> None:
-        """On the training thread, at the step after its dump (``dump_if_due(background=False)``): parse its entries.
+        """On the training thread, at the step after its dump (:meth:`dump_now`, ``dump_if_due(background=False)``).
 
         Torch's dump (with its unpickling) and the parsing each take up to about 0.8 ms of a training step with cold
         caches: in two steps, neither pauses one past 1 ms. The parsing's CPU counts in the audit's budget. Nothing
@@ -192,9 +192,10 @@ class RecorderAudit:
 
         Called by the training thread as each training epoch starts (the previous epoch's last calls: its end hooks,
         its validation): once per epoch, without the pauses that let a training thread take the GIL (it is that
-        thread). Published at the next beat.
+        thread). The entries are parsed at its next step (:meth:`parse_fetched`), and published at the next beat
+        after that.
         """
-        self._dump(wait=False, background=False)
+        self._dump(wait=False, background=False, parse=False)
 
     def dump_if_due(self, *, background: bool = True) -> None:
         """The audit's dump when one is due; then the next one's time.

@@ -423,13 +423,18 @@ def test_entries_fetched_on_the_training_thread_are_superseded_by_any_later_dump
     assert audit.calls.newest == {"0": 4} and audit._next > after_dump
     clock[0] = audit._next
     recorder.call(4)
+    audit.dump_now()  # a training epoch starts: whatever the budget, and its parsing counts in none
+    before = audit._next
+    audit.parse_fetched()
+    assert audit._next == before and audit.calls.newest == {"0": 8}
+    recorder.call(2)
     audit.dump_if_due(background=False)
     assert audit.fetched
     recorder.call(2)
     audit.update()  # a stage ends before the next step: its dump holds the newest entries
-    assert not audit.fetched and audit.calls.newest == {"0": 10}
+    assert not audit.fetched and audit.calls.newest == {"0": 12}
     audit.parse_fetched()  # nothing left to parse
-    assert audit.calls.newest == {"0": 10} and recorder.dumps == 3
+    assert audit.calls.newest == {"0": 12} and recorder.dumps == 4
 
 
 def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_own_and_the_next_beat_publishes(

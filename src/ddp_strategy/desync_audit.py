@@ -92,6 +92,7 @@ class RecorderAudit:
         self._status: dict[str, tuple[int, int]] = {}  # the recorder's counters at the last dump
         self._unpublished = False  # a dump added calls since this rank last published its digests
         self._fetched: list[dict[str, Any]] | None = None  # a training-thread dump's entries, not parsed yet
+        self._budgeted = False  # whether their parsing counts in the budget (a dump of dump_if_due's, not dump_now's)
         self._next = time.monotonic() + interval  # the heartbeat's next dump
         self._counted = (time.monotonic(), 0)  # (when, calls recorded by then) at the heartbeat's last dump
         self._lock = threading.Lock()
@@ -119,7 +120,7 @@ class RecorderAudit:
             return None
         let_go = _let_go_of_the_gil if background else None
         try:
-            self._fetched = None
+            self._fetched, self._budgeted = None, False
             recorded: list[dict[str, Any]] = []
             if let_go:
                 status = collective_status()
@@ -163,8 +164,9 @@ class RecorderAudit:
         """On the training thread, at the step after its dump (:meth:`dump_now`, ``dump_if_due(background=False)``).
 
         Torch's dump (with its unpickling) and the parsing each take up to about 0.8 ms of a training step with cold
-        caches: in two steps, neither pauses one past 1 ms. The parsing's CPU counts in the audit's budget. Nothing
-        when the heartbeat thread is dumping (its dump supersedes these entries).
+        caches: in two steps, neither pauses one past 1 ms. The parsing's CPU counts in the audit's budget after a
+        budgeted dump (not after :meth:`dump_now`'s). Nothing when the heartbeat thread is dumping (its dump
+        supersedes these entries).
         """
         if not self._lock.acquire(blocking=False):
             return
@@ -174,7 +176,8 @@ class RecorderAudit:
                 return
             start = time.thread_time()
             self._add(fetched, None)
-            self._next += (time.thread_time() - start) / self.cpu_share
+            if self._budgeted:
+                self._next += (time.thread_time() - start) / self.cpu_share
         finally:
             self._lock.release()
 
@@ -216,6 +219,7 @@ class RecorderAudit:
         calls = self._dump(wait=background, background=background, parse=background)
         if calls is None:
             return
+        self._budgeted = True
         took = time.thread_time() - start
         then, counted = self._counted
         rate = (calls - counted) / max(now - then, 1e-3)

@@ -689,6 +689,7 @@ def test_heartbeat_merge_ab_table_is_the_result_files():
         "step_pauses-intel-inline-beat-96bc357",
         "step_pauses-intel-split-audit-9b93cea",
         "step_pauses-intel-dump-step-df9e37c",
+        "step_pauses-intel-parse-step-f91297c",
         "strategy_cost_ab-inline-beat",
         "strategy_cost_ab-dump-step",
         "tiny_step-intel-dump-step-1-c46ad94",
@@ -1620,6 +1621,49 @@ def test_the_audits_dump_at_a_step_of_its_own_is_the_result_files():
     assert_ab_table(ab, "#### The audit's dump at a step of its own", {"own": "own CPU per step, in all"})
     assert min(ab["analysis"]["mlp"]["own"]["ratios"]) > 1.04  # "both rounds came out 5% higher"
     assert ab["analysis"]["tiny"]["own"]["median"] < 1
+
+
+def test_the_audits_parsing_at_a_step_of_its_own_is_the_result_file():
+    """bench/README.md's step_pauses run at f91297c: its rows and the figures quoted under them."""
+    name = "step_pauses-intel-parse-step-f91297c"
+    fits = result(name)["fits"]
+    stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
+    safe = [f for f in fits if f["variant"] == "safe"]
+    longest: dict[str, float] = {}
+    for fit in safe:
+        holds = fit["background_holds"]
+        cells = [str(fit["round"]), str(holds["stretches"]), str(holds["over_1ms"]), str(holds["over_1ms_wall"])]
+        cells += [str(holds["over_1ms_on_core"]), f"{holds['longest']['cpu_s'] * 1e3:.3f}"]
+        beat = fit["beats"]["MainThread"]
+        assert set(fit["beats"]) == set(fit["step_dumps"]) == set(fit["step_parses"]) == {"MainThread"}
+        cells += [f"{beat['count']} / 0", f"{beat['longest_wall_s'] * 1e3:.3f} / {beat['longest_cpu_s'] * 1e3:.3f}"]
+        for kind in ("step_dumps", "step_parses"):
+            b = fit[kind]["MainThread"]
+            cells.append(f"{b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})")
+            longest[kind] = max(longest.get(kind, 0.0), b["longest_cpu_s"])
+        longest["beats"] = max(longest.get("beats", 0.0), beat["longest_cpu_s"])
+        longest["torch"] = max(longest.get("torch", 0.0), fit["dumps"]["longest_training_thread_wall_s"])
+        cells.append(f"{fit['dumps']['longest_training_thread_wall_s'] * 1e3:.3f}")
+        gaps = fit["hook_gaps"]["p999_s"], stock[fit["round"]]["hook_gaps"]["p999_s"]
+        assert gaps[0] < gaps[1]
+        cells.append(f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}")
+        assert_on("bench/README.md", f"| {' | '.join(cells)} |")
+    assert max(longest.values()) < 1e-3  # "No piece ... took 1 ms of CPU" (torch's dump: of wall time)
+    assert_on(
+        "bench/README.md",
+        f"a beat at most {longest['beats'] * 1e3:.2f} ms, a dump {longest['step_dumps'] * 1e3:.2f}, a parsing "
+        f"{longest['step_parses'] * 1e3:.2f}",
+        f"torch's dump, timed alone, {longest['torch'] * 1e3:.2f} ms of wall",
+    )
+    walls = [f"{f['beats']['MainThread']['longest_wall_s'] * 1e3:.1f}" for f in safe]
+    assert_on("bench/README.md", f"**A beat still took up to {walls[0]} and {walls[1]} ms of wall time**")
+    wide = safe[0]["background_holds"]["longest_by_wall"]
+    assert [f["background_holds"]["over_1ms_wall"] for f in safe] == [1, 0]
+    assert_on(
+        "bench/README.md",
+        f"{wide['wall_less_profiling_s'] * 1e3:.3f} ms wall, {wide['on_core_s'] * 1e3:.3f} ms on a core, "
+        f"{wide['runnable_s'] * 1e3:.3f} ms runnable",
+    )
 
 
 DUMP_STEP_RUNS = {

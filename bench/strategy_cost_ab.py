@@ -9,8 +9,9 @@ script checks ``--base`` out into a worktree (``build/ab/<commit>``) and runs ``
 this checkout alternately, ``--rounds`` times each, every run in fresh processes with its own ``src`` first on the
 path; it pairs the two runs of each round and reports per workload the paired ratios (this checkout / base) of the
 own CPU per step in all, of the training thread's part and of the strategy's Python threads' part: their median and
-range. Each run's figures are kept in the result, the threads by name (the base's thread names show that its code
-ran).
+range. The two runs of a round go base first in odd rounds (the first, third...) and checkout first in even ones
+(since 2026-11-30; each run records which went first). Each run's figures are kept in the result, the threads by
+name (the base's thread names show that its code ran).
 
 Writes ``strategy_cost_ab.json`` and ``.md`` (``--name``: another name) into ``--results-dir`` (default
 ``bench/results``).
@@ -109,6 +110,15 @@ def render(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def sides(round_index: int) -> tuple[str, str]:
+    """The order of the two runs of round ``round_index`` (from 0): the base first in even rounds, last in odd ones.
+
+    Alternating removes a bias from a drift of the machine within a round (every round base first made any such
+    drift count against the checkout).
+    """
+    return ("base", "head") if round_index % 2 == 0 else ("head", "base")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit to compare with (any git revision)")
@@ -123,8 +133,9 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            pair = {}
-            for side, code in (("base", tree), ("head", ROOT)):
+            pair: dict[str, Any] = {"first": sides(i)[0]}
+            for side in sides(i):
+                code = tree if side == "base" else ROOT
                 result = run_once(code, args, Path(tmp), f"{side}-{i}")
                 pair[side] = {w["workload"]: figures(w) for w in result["workloads"]}
                 print(f"round {i + 1} {side}: " + ", ".join(f"{k} own {v['own']:.1f}" for k, v in pair[side].items()))

@@ -69,3 +69,9 @@ def test_the_ratios_pair_each_rounds_runs_and_the_table_shows_them():
     text = "\n".join(ab.render(result))
     assert "| mlp | Python threads | 200.0, 400.0, 250.0 | 100.0, 200.0, 200.0 | 0.500 [0.500, 0.800] |" in text
     assert "base aaaaaaaaaaaa and of this checkout bbbbbbbbbbbb, alternating, 3 round(s)" in text
+
+
+def test_the_rounds_alternate_which_commit_runs_first():
+    # a drift of the machine within a round would otherwise always count against the same side
+    ab = load()
+    assert [ab.sides(i) for i in range(3)] == [("base", "head"), ("head", "base"), ("base", "head")]

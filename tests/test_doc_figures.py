@@ -1616,8 +1616,20 @@ def test_the_audits_dump_at_a_step_of_its_own_is_the_result_files():
     assert_on("bench/README.md", f"**The longest beat took {beats[0]} and {beats[1]} ms of CPU**")
     dumps = sorted(f["step_dumps"]["MainThread"]["longest_cpu_s"] for f in safe)
     assert f"{dumps[0] * 1e3:.1f} to {dumps[-1] * 1e3:.1f} ms" == "1.3 to 1.5 ms"  # "takes 1.3 to 1.5 ms of CPU"
+    fits = result("step_pauses-intel-dump-step-df9e37c")["fits"]
+    seconds = sorted(f["seconds"] for f in fits if f["variant"] == "safe")
+    assert f"per fit of {seconds[0]:.0f} to {seconds[-1]:.0f} s" in " ".join(
+        (ROOT / "bench/README.md").read_text().split()
+    )
+    walls = [
+        c["wall_s"] for f in safe for c in f["dumps"]["all"] if c["during_training"] and c["thread"] == "MainThread"
+    ]
+    assert_on("bench/README.md", f"({min(walls) * 1e3:.2f} to {max(walls) * 1e3:.2f} ms of wall time per call on the")
     ab = result("strategy_cost_ab-dump-step")
     assert ab["base"].startswith("5251d69") and ab["head"].startswith("263e29f") and not ab["dirty"]
+    earlier = statistics.median(r["head"]["tiny"]["own"] for r in result("strategy_cost_ab-inline-beat")["runs"])
+    base = statistics.median(r["base"]["tiny"]["own"] for r in ab["runs"])
+    assert_on("bench/README.md", f"(the base's tiny step {base:.1f} us here, against {earlier:.1f} at 96bc357 there;")
     assert_ab_table(ab, "#### The audit's dump at a step of its own", {"own": "own CPU per step, in all"})
     assert min(ab["analysis"]["mlp"]["own"]["ratios"]) > 1.04  # "both rounds came out 5% higher"
     assert ab["analysis"]["tiny"]["own"]["median"] < 1
@@ -1649,6 +1661,9 @@ def test_the_audits_parsing_at_a_step_of_its_own_is_the_result_file():
         cells.append(f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}")
         assert_on("bench/README.md", f"| {' | '.join(cells)} |")
     assert max(longest.values()) < 1e-3  # "No piece ... took 1 ms of CPU" (torch's dump: of wall time)
+    for fit in safe:  # "16 of the 21 after the epoch starts' dumps": the other parsings follow the audit's dumps
+        parses, dumps = fit["step_parses"]["MainThread"]["count"], fit["step_dumps"]["MainThread"]["count"]
+        assert (parses, parses - dumps) == (21, 16)
     assert_on(
         "bench/README.md",
         f"a beat at most {longest['beats'] * 1e3:.2f} ms, a dump {longest['step_dumps'] * 1e3:.2f}, a parsing "

@@ -437,6 +437,9 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     step_parse = getattr(audit_module.RecorderAudit, "parse_fetched", None)
     if step_parse is not None:
         audit_module.RecorderAudit.parse_fetched = beats.wrap(step_parse, "step parse")  # type: ignore[method-assign]
+    wake_reads = getattr(heartbeat_module.Heartbeat, "_after_inline_beat", None)
+    if wake_reads is not None:
+        heartbeat_module.Heartbeat._after_inline_beat = beats.wrap(wake_reads, "wake reads")  # type: ignore[method-assign]
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
     gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
@@ -468,6 +471,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             desync_module.DesyncMonitor._dump_in_step = step_dump  # type: ignore[method-assign]
         if step_parse is not None:
             audit_module.RecorderAudit.parse_fetched = step_parse  # type: ignore[method-assign]
+        if wake_reads is not None:
+            heartbeat_module.Heartbeat._after_inline_beat = wake_reads  # type: ignore[method-assign]
     gaps = sorted(clock.gaps)
     in_training = [d for d in dumps.calls if d["during_training"]]
     background = [d for d in in_training if d["thread"].startswith("ddp_strategy-")]
@@ -504,6 +509,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         # parsing at the step after (RecorderAudit.parse_fetched)
         "step_dumps": beats.summary("step dump"),
         "step_parses": beats.summary("step parse"),
+        # the heartbeat thread's wake-ups: what a beat on the training thread left them (the store's reads)
+        "wake_reads": beats.summary("wake reads"),
         "dumps": {
             "all": dumps.calls,
             "first": dumps.calls[0] if dumps.calls else None,
@@ -620,9 +627,11 @@ def render(result: dict[str, Any]) -> list[str]:
             "",
         ]
         for row in beaten:
-            text, steps, parses = (_by_thread(row.get(kind, {})) for kind in ("beats", "step_dumps", "step_parses"))
+            kinds = ("beats", "step_dumps", "step_parses", "wake_reads")
+            text, steps, parses, reads = (_by_thread(row.get(kind, {})) for kind in kinds)
             extra = f"; the audit's dumps at a step of their own: {steps}" if steps else ""
             extra += f"; their parsing at the step after: {parses}" if parses else ""
+            extra += f"; the heartbeat thread's wake-ups, with the beats' store reads: {reads}" if reads else ""
             lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
     if scheduled:

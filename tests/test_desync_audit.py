@@ -186,6 +186,12 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> FakeRecorder:
     return fake
 
 
+def compare(audit: RecorderAudit, store: Any, *, background: bool = True) -> tuple[str, int] | None:
+    """A beat's audit as the desync monitor runs it: publish (the beat), then compare (its look)."""
+    mine = audit.publish(store, background=background)
+    return None if mine is None else audit.compare_with_peer(store, mine)
+
+
 def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
     recorder: FakeRecorder, monkeypatch: pytest.MonkeyPatch
 ):
@@ -196,13 +202,13 @@ def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
     assert not audit.due()  # the first audit comes `interval` after the start at the latest
     clock[0] += 5.0
     recorder.call(10)  # 2 calls a second
-    assert audit.due() and audit.compare(store) is None and recorder.dumps == 1
+    assert audit.due() and compare(audit, store) is None and recorder.dumps == 1
     assert audit._next == pytest.approx(clock[0] + 2.0)  # half of the 8 entries kept, at 2 calls a second
     assert store.check([audit.key]) and audit.calls.newest == {"0": 10}
     clock[0] += 2.0
     recorder.call(40)  # 20 calls a second: the next dump in 0.2 s, unless the budget says later
     audit.cpu_share = 1e-9  # the dump's CPU (thread time, > 0) allows none for a long time
-    audit.compare(store)
+    compare(audit, store)
     assert audit._next > clock[0] + 1000
     clock[0] += 1.0
     recorder.call(4, line=11)
@@ -211,7 +217,7 @@ def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
     assert not audit.due() and audit.fetched and recorder.dumps == 3
     audit.parse_fetched()  # its next step
     assert audit.due() and not audit.fetched  # published at the next beat
-    mine = audit.compare(store)
+    mine = compare(audit, store)
     assert mine is None and not audit.due()
     recorder.call(2)
     with audit._lock:  # the heartbeat thread is dumping: the training thread does not wait for it
@@ -250,9 +256,9 @@ def test_a_rank_that_publishes_second_finds_the_call_its_peer_made_elsewhere(rec
     store = torch.distributed.HashStore()
     ranks = [RecorderAudit(rank, 2, interval=0.0, entries=8, cpu_share=1.0) for rank in (0, 1)]
     recorder.call(3)
-    assert ranks[0].compare(store) is None  # rank 1 has not published yet
+    assert compare(ranks[0], store) is None  # rank 1 has not published yet
     recorder.entries[-1]["frames"] = [{"name": "step", "filename": "/home/me/model.py", "line": 99}]
-    assert ranks[1].compare(store) == ("0", 3)  # rank 1's call #3 came from another line than rank 0's
+    assert compare(ranks[1], store) == ("0", 3)  # rank 1's call #3 came from another line than rank 0's
 
 
 def test_a_report_names_calls_only_an_earlier_audit_saw(recorder: FakeRecorder):
@@ -445,15 +451,15 @@ def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_ow
     store = torch.distributed.HashStore()
     ranks = [RecorderAudit(r, 2, interval=0.0) for r in (0, 1)]
     recorder.call(3)
-    assert ranks[1].compare(store) is None  # rank 1, on its heartbeat thread: dumps and publishes at once
+    assert compare(ranks[1], store) is None  # rank 1, on its heartbeat thread: dumps and publishes at once
     assert store.check([ranks[1].key])
     recorder.entries[1] = entry(2, line=99)  # rank 0's call #2 from another line
-    assert ranks[0].dump_due() and ranks[0].compare(store, background=False) is None
+    assert ranks[0].dump_due() and compare(ranks[0], store, background=False) is None
     assert recorder.dumps == 1 and ranks[0].dump_due()  # the beat did not dump: still due
     ranks[0].dump_if_due(background=False)  # the next training step: torch's dump only
     assert recorder.dumps == 2 and ranks[0].fetched and ranks[0].calls.newest == {}  # nothing parsed yet
     ranks[0].parse_fetched()  # the step after it: the parsing
     assert not ranks[0].fetched and not store.check([ranks[0].key]) and ranks[0].due()  # published at the next beat
     ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the step's dump found
-    assert ranks[0].compare(store, background=False) == ("0", 2) and recorder.dumps == 2
+    assert compare(ranks[0], store, background=False) == ("0", 2) and recorder.dumps == 2
     assert store.check([ranks[0].key]) and not ranks[0].due()

@@ -33,10 +33,12 @@ class CountingStore:
         self.published = 0
         self.threads: set[str] = set()
         self.calls: Counter[str] = Counter()
+        self.by_thread: Counter[tuple[str, str]] = Counter()  # (thread, method)
 
     def set(self, key: str, value: str) -> None:
         self.threads.add(threading.current_thread().name)
         self.calls["set"] += 1
+        self.by_thread[threading.current_thread().name, "set"] += 1
         if key == POSITION_KEY.format(rank=0):
             self.published += 1
         self._store.set(key, value)
@@ -46,6 +48,7 @@ class CountingStore:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
+            self.by_thread[threading.current_thread().name, name] += 1
             return method(*args, **kwargs)
 
         return counted
@@ -253,6 +256,53 @@ def test_while_the_training_thread_steps_it_beats_itself_and_the_heartbeat_threa
     assert hook.runs == [("MainThread", True)] * 3, hook.runs
     assert store.threads == {"MainThread"} and store.published == 3
     assert Position.from_json(store.get(POSITION_KEY.format(rank=0))).kind == "training step"
+
+
+def test_a_beat_on_the_training_thread_only_sends_sets_its_reads_run_at_the_heartbeat_threads_next_wake_up():
+    # rank 0's store answers within milliseconds when its host has no idle core: a beat that read it on the training
+    # thread took up to 3.5 ms of a step's wall time (issue 30, point 2). The training thread's beat sends `set`s,
+    # which await no answer; the failure check and a hook's reads (at_next_wake) run on the heartbeat thread
+    store = CountingStore()
+    store.set("desync/inquiry", "0")
+    beat = Heartbeat(rank=0, world_size=2, interval=1.0, store=store, desync_agreed=lambda: False)
+    beats: list[float] = []
+    looks: list[tuple[str, bool, float, list[bytes]]] = []
+
+    def look(s: Any) -> None:
+        values = beat.read_with_failures(s, ["desync/inquiry"])
+        looks.append((threading.current_thread().name, beat.inline, time.monotonic(), values))
+
+    def hook(s: Any) -> None:
+        beats.append(time.monotonic())
+        beat.at_next_wake(lambda _: looks.append(("replaced", False, 0.0, [])))
+        beat.at_next_wake(look)  # replaces the task not run yet
+
+    beat.add_beat(hook)
+    beat.start()
+    store.by_thread.clear()  # from the first step on (start() creates the failure counter)
+    try:
+        step_for(beat, 3.6)
+    finally:
+        beat.stop()
+    assert (
+        len(beats) == 3
+        and [(name, inline, values) for name, inline, _, values in looks]
+        == [("ddp_strategy-heartbeat-rank0", False, [b"0"])] * 3
+    ), looks
+    # each at the wake-up a quarter of an interval (TAKEOVER) after the beat was due
+    assert all(0.1 < at - beaten < 0.5 for (_, _, at, _), beaten in zip(looks, beats, strict=True)), (beats, looks)
+    main = {method for thread, method in store.by_thread if thread == "MainThread"}
+    assert main == {"set"}, store.by_thread  # the training thread's beats: publications only
+    # without a hook that reads, the heartbeat thread reads the failure counter at that wake-up
+    store = CountingStore()
+    beat, hook_log = logged(store, 1.0)
+    store.by_thread.clear()
+    try:
+        step_for(beat, 2.6)
+    finally:
+        beat.stop()
+    assert hook_log.runs == [("MainThread", True)] * 2, hook_log.runs
+    assert store.by_thread["MainThread", "add"] == 0 and store.by_thread["ddp_strategy-heartbeat-rank0", "add"] >= 2
 
 
 def test_a_training_thread_that_stops_stepping_gets_its_beats_from_the_heartbeat_thread():

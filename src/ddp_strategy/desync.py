@@ -38,6 +38,7 @@ names.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -140,8 +141,8 @@ def _decide(store: Store, inquiry: int, world_size: int) -> None:
 class DesyncMonitor:
     """Watches one rank's collectives at its heartbeat's beats and takes part in inquiries; see the module docs.
 
-    A beat on the training thread (``control.heartbeat.inline``) may open an inquiry but leaves answering it, which
-    waits for every rank, to the heartbeat thread (:meth:`_take_part`).
+    A beat on the training thread (``control.heartbeat.inline``) reads nothing from the store: its reads, and the
+    inquiries they may open or answer (which wait for every rank), run on the heartbeat thread (:meth:`_look`).
 
     Args:
         control: this rank's control plane (its heartbeat thread runs :meth:`beat`).
@@ -226,17 +227,24 @@ class DesyncMonitor:
         return (what, skipped_at) if backdated else (what, since)
 
     def beat(self, store: Store) -> None:
-        """One heartbeat: update this rank's wait, answer an inquiry, open one when every rank is stuck."""
+        """One heartbeat: update this rank's wait and ledger, publish new audited calls; then :meth:`_look`.
+
+        The look reads the store (answering an inquiry waits for every rank): in a beat on the training thread
+        (``heartbeat.inline``), whose store calls are ``set`` calls that await no answer, it runs at the heartbeat
+        thread's next wake-up, a fraction of an interval later (``Heartbeat.at_next_wake``); on the heartbeat thread,
+        right away.
+        """
         control = self.control
+        heartbeat = control.heartbeat
         self._wait = self._watched_wait()
         what, since = self._wait
         waited = time.time() - since
         stuck = bool(what) and waited >= self.stuck_after
-        control.heartbeat.set_waiting(what if stuck else "", since if stuck else 0.0)
+        heartbeat.set_waiting(what if stuck else "", since if stuck else 0.0)
         # answer inquiries quickly while one may come; once every rank answered one for this very wait without
         # finding a divergence (a long checkpoint write, a slow loader), none is reopened for it: beat at the normal
         # pace again (after a verdict, fast: the ranks leave in order, rank 0 first, see `_break_if_blocked`)
-        control.heartbeat.fast_beat = (
+        heartbeat.fast_beat = (
             bool(what)
             and waited >= self.stuck_after / 2
             and (what not in self._inquired or control.desync_error is not None)
@@ -244,11 +252,31 @@ class DesyncMonitor:
         if control.desync_error is not None:
             self._break_if_blocked(store)
             return
-        control.heartbeat.set_ledger(*self.ledger.state)
-        if stuck != self._counted_stuck:  # every rank counts itself in while stuck: "all stuck" is one counter
-            store.add(_STUCK_KEY, 1 if stuck else -1)
-            self._counted_stuck = stuck
+        heartbeat.set_ledger(*self.ledger.state)
         look = time.monotonic() >= self._next_look  # a fast beat watches for inquiries only
+        if look:
+            self._next_look = time.monotonic() + heartbeat.interval
+        mine = self._publish_audit(store) if look and self.recorder.due() else None
+        look_now = functools.partial(self._look, stuck=what if stuck else "", look=look, mine=mine)
+        if heartbeat.inline:
+            heartbeat.at_next_wake(look_now)
+        else:
+            look_now(store)
+
+    def _look(self, store: Store, *, stuck: str, look: bool, mine: dict[str, list[Any]] | None) -> None:
+        """The beat's reads, on the heartbeat thread: answer or open an inquiry, compare with the next rank.
+
+        Args:
+            store: the heartbeat thread's connection.
+            stuck: what this rank was stuck in at the beat (``""``: not stuck).
+            look: whether the beat was one of the interval's (not a fast one): compare the ledger and the audit.
+            mine: this rank's audit publication, when the beat published one (compared with the next rank's).
+
+        """
+        control = self.control
+        if bool(stuck) != self._counted_stuck:  # every rank counts itself in while stuck: "all stuck" is one counter
+            store.add(_STUCK_KEY, 1 if stuck else -1)
+            self._counted_stuck = bool(stuck)
         # the next rank's position: absent before it first published (a `check` until then), deleted only once
         # every rank's heartbeat has stopped (ControlPlane.close)
         self._peer_published = self._peer_published or (look and store.check([self._peer_key]))
@@ -257,38 +285,22 @@ class DesyncMonitor:
         values = control.heartbeat.read_with_failures(store, keys)  # one round trip, the failure counter with them
         inquiry, stuck_ranks = int(values[0]), int(values[1])
         if inquiry > self._answered:
-            self._take_part(store, inquiry)
+            self._answer(store, inquiry)
             return
-        if stuck and what not in self._inquired and stuck_ranks >= control.world_size:
-            self._inquired.add(what)  # every rank waits: whether they wait for each other, the reports tell
-            self._take_part(store, _open(store, inquiry))
+        if stuck and stuck not in self._inquired and stuck_ranks >= control.world_size:
+            self._inquired.add(stuck)  # every rank waits: whether they wait for each other, the reports tell
+            self._answer(store, _open(store, inquiry))
             return
         if not look:
             return
-        self._next_look = time.monotonic() + control.heartbeat.interval
         if not self._ledger_inquired and len(values) > 2 and self._ledger_differs(json.loads(values[2])):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
-            self._take_part(store, _open(store, inquiry))
+            self._answer(store, _open(store, inquiry))
             return
-        if self.recorder.due():
-            inline = control.heartbeat.inline
-            if inline and self.recorder.dump_due():  # the dump at the next step, apart from this beat
-                control.heartbeat.at_next_step(self._dump_in_step)
-            difference = self.recorder.compare(store, background=not inline)
-            if difference is not None and difference not in self._audit_inquired:
-                self._audit_inquired.add(difference)  # once per call: the verdict names it
-                self._take_part(store, _open(store, inquiry))
-
-    def _take_part(self, store: Store, inquiry: int) -> None:
-        """Answer ``inquiry`` (:meth:`_answer`), or, in a beat on the training thread, leave it to the heartbeat thread.
-
-        Answering waits for every rank's report, up to seconds: the training thread must not. The heartbeat thread's
-        next beat, at once, reads the inquiry count again and answers the newest.
-        """
-        if self.control.heartbeat.inline:
-            self.control.heartbeat.hand_over()
-        else:
-            self._answer(store, inquiry)
+        difference = None if mine is None else self.recorder.compare_with_peer(store, mine)
+        if difference is not None and difference not in self._audit_inquired:
+            self._audit_inquired.add(difference)  # once per call: the verdict names it
+            self._answer(store, _open(store, inquiry))
 
     # ------------------------------------------------------------------ auditing
     def _dump_in_step(self) -> None:
@@ -298,6 +310,17 @@ class DesyncMonitor:
         """
         self.recorder.dump_if_due(background=False)
         self._parse_at_next_step()
+
+    def _publish_audit(self, store: Store) -> dict[str, list[Any]] | None:
+        """At a beat that looks, with an audit due: the audit's publication of new calls (``None``: none new).
+
+        On the training thread the dump found due runs at the next step, apart from this beat (:meth:`_dump_in_step`);
+        this publishes what earlier dumps added. On the heartbeat thread the dump comes first, here.
+        """
+        inline = self.control.heartbeat.inline
+        if inline and self.recorder.dump_due():
+            self.control.heartbeat.at_next_step(self._dump_in_step)
+        return self.recorder.publish(store, background=not inline)
 
     def _parse_at_next_step(self) -> None:
         if self.recorder.fetched:

@@ -227,15 +227,13 @@ class RecorderAudit:
         self._counted = (now, calls)
         self._next = now + max(gap, took / self.cpu_share)
 
-    def compare(self, store: Store, *, background: bool = True) -> tuple[str, int] | None:
-        """At a beat: audit when due (:meth:`dump_if_due`); after new calls, publish and compare with the next rank's.
+    def publish(self, store: Store, *, background: bool = True) -> dict[str, list[Any]] | None:
+        """At a beat: audit when due (:meth:`dump_if_due`); after new calls, publish this rank's digests; them.
 
         ``background``: the beat runs on the heartbeat thread. ``False``: on the training thread, which does not dump
         here: the beat leaves the dump to a training step of its own (:meth:`dump_if_due` there), whose calls the
         next beat publishes, so that no step takes a beat and a dump (about 0.3 and 0.8 ms on a loaded 2-core VM).
-
-        Returns the first call whose digest differs. A rank compares when it publishes: of two ranks that audited the
-        same calls, the one that publishes second finds a difference.
+        The publication is a ``set``: no answer of the store awaited. ``None`` when no new calls were audited.
         """
         if background:
             self.dump_if_due()
@@ -245,6 +243,14 @@ class RecorderAudit:
             self._unpublished = False
             mine = self.calls.publication()
         store.set(self.key, json.dumps(mine))
+        return mine
+
+    def compare_with_peer(self, store: Store, mine: dict[str, list[Any]]) -> tuple[str, int] | None:
+        """After :meth:`publish` returned ``mine``: the first call whose digest differs from the next rank's.
+
+        It reads the store (on the heartbeat thread). A rank compares after it publishes: of two ranks that audited
+        the same calls, the one that publishes second finds a difference.
+        """
         peer = _AUDIT_KEY.format(rank=(self.rank + 1) % self.world_size)
         if not store.check([peer]):
             return None

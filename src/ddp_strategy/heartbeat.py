@@ -14,13 +14,15 @@ work is one ``set`` and one ``multi_get``. A hook that waits long (a desync inqu
 
 While the training thread trains, it beats itself: :meth:`Heartbeat.note_step`, at the start of every training step,
 runs a beat that is due right there (:meth:`Heartbeat.beat_if_due`), and the heartbeat thread, waking
-:data:`TAKEOVER` of an interval later, finds it done and sleeps again. A Python background thread holds the GIL while
-it runs, and on a busy machine the scheduler may take its core in mid-beat: the training thread would then wait for
-the GIL for a whole time slice. A beat on the training thread costs that thread the same work and no such wait. When
-the training thread stops beating (it waits in a collective, a barrier, a long step, or evaluates), the heartbeat
-thread beats as before. A beat hook whose work may wait long (answering a desync inquiry waits for every rank) does
-not do it on the training thread: it asks the heartbeat thread with :meth:`Heartbeat.hand_over`; one whose work is
-costly but never waits runs it at the next training step, apart from the beat (:meth:`Heartbeat.at_next_step`).
+:data:`TAKEOVER` of an interval later, finds it done and does the beat's reads. A Python background thread holds the
+GIL while it runs, and on a busy machine the scheduler may take its core in mid-beat: the training thread would then
+wait for the GIL for a whole time slice. A beat on the training thread costs that thread the same work and no such
+wait. It waits for nothing either: its store calls are ``set`` calls (sent, no answer awaited); what must read the store
+(a hook's reads, the failure check) runs at that wake-up of the heartbeat thread (:meth:`Heartbeat.at_next_wake`),
+whose wait for rank 0's store (milliseconds when the store's host has no idle core) lets the GIL go. When the training
+thread stops beating (it waits in a collective, a barrier, a long step, or evaluates), the heartbeat thread beats as
+before. A beat hook whose work is costly but never waits runs it at the next training step, apart from the beat
+(:meth:`Heartbeat.at_next_step`); one that needs the heartbeat thread at once asks with :meth:`Heartbeat.hand_over`.
 
 A failing rank publishes its failure through it (:meth:`Heartbeat.note_failure`); rank 0, which hosts the store,
 waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals grow beyond
@@ -164,6 +166,8 @@ class Heartbeat:
         self._inline_off = False  # the training thread beats no more (the store failed it; the thread reports it)
         self._handed_over = False  # a hook asked the heartbeat thread to beat now (see `hand_over`)
         self._step_task: Callable[[], None] | None = None  # for the training thread's next step (see `at_next_step`)
+        self._wake_task: Callable[[Store], None] | None = None  # for the heartbeat thread's next wake-up (at_next_wake)
+        self._check_owed = False  # a beat on the training thread published without the failure check
 
     @property
     def position(self) -> Position:
@@ -288,6 +292,17 @@ class Heartbeat:
         """
         self._step_task = task
 
+    def at_next_wake(self, task: Callable[[Store], None]) -> None:
+        """Run ``task(store)`` on the heartbeat thread at its next wake-up (not sooner), once, through its ``store``.
+
+        For a beat hook on the training thread (:attr:`inline`) whose work reads the store: the answer of rank 0's
+        store comes within milliseconds when its host has no idle core, and the training thread must not wait for it.
+        The heartbeat thread wakes :data:`TAKEOVER` of an interval after the beat was due (to take it over when no
+        training step came), finds it done, and runs ``task`` then, the GIL let go while it waits for the store.
+        Replaces a task not run yet; :meth:`stop` drops it. An exception from ``task`` is logged, not raised.
+        """
+        self._wake_task = task
+
     def hand_over(self) -> None:
         """Ask the heartbeat thread for a beat now.
 
@@ -326,9 +341,11 @@ class Heartbeat:
     def read_with_failures(self, store: Store, keys: Sequence[str]) -> list[bytes]:
         """``store.multi_get(keys)`` with the failure counter in the same round trip: for a beat hook.
 
-        Every key must exist (a ``multi_get`` waits for a missing one). When the counter shows a failure this rank
-        has not read yet, the first failure is read (:attr:`peer_failure`) before this returns. A beat in which a
-        hook called this needs no failure check of its own: an interval's store work is one ``set`` and this.
+        It waits for the store's answer: a hook on the training thread (:attr:`inline`) reads through
+        :meth:`at_next_wake` instead. Every key must exist (a ``multi_get`` waits for a missing one). When the counter
+        shows a failure this rank has not read yet, the first failure is read (:attr:`peer_failure`) before this
+        returns. A beat in which a hook called this needs no failure check of its own: an interval's store work is
+        one ``set`` and this.
 
         Args:
             store: the calling thread's own connection (a hook's argument).
@@ -428,7 +445,7 @@ class Heartbeat:
             self._thread.join(timeout=max(5.0, 2 * self.interval) if timeout is None else timeout)
         self._thread = None
         self._next_publish = math.inf  # the training thread's steps look for no beat any more
-        self._step_task = None
+        self._step_task = self._wake_task = None
 
     def _stop_at_exit(self) -> None:
         # a rank that exits without teardown (an error under the spawn launcher): no store call in flight while
@@ -467,6 +484,8 @@ class Heartbeat:
             if self._stop.is_set():
                 return
             with self._beat_lock:
+                if not self._after_inline_beat(store):
+                    return
                 if self._pause() > 0 and not self.fast_beat:  # the training thread beat meanwhile
                     continue
                 self._handed_over = False
@@ -492,8 +511,11 @@ class Heartbeat:
         waiting = self._waiting
         if self._hooks:
             self._beat(store)
-        if pulse and not self._failures_read and not self._store_call(self._check_failures, store):
-            return False  # no hook read the failure counter in this beat: a read of its own
+        if pulse and not self._failures_read:  # no hook read the failure counter in this beat: a read of its own
+            if self.inline:
+                self._check_owed = True  # at the heartbeat thread's next wake-up: no wait for the store here
+            elif not self._store_call(self._check_failures, store):
+                return False
         if self._rank0_failed():
             return False
         if self._waiting != waiting and not self._going_down():
@@ -502,6 +524,29 @@ class Heartbeat:
             except Exception as err:  # the next publication reports a gone store
                 log.debug("ddp_strategy: rank %d: publishing after the beat: %s", self.rank, err)
         return True
+
+    def _after_inline_beat(self, store: Store) -> bool:
+        """On the heartbeat thread: what a beat on the training thread left it (:meth:`at_next_wake`, failure check).
+
+        Returns:
+            ``False`` when the heartbeat should end (see :meth:`_beat_once`).
+
+        """
+        task, self._wake_task = self._wake_task, None
+        owed, self._check_owed = self._check_owed, False
+        if task is None and not owed:
+            return True
+        if self._going_down():  # the store may be gone any moment (see `_beat_once`)
+            return not self._rank0_failed()
+        self._failures_read = False
+        if task is not None:
+            try:
+                task(store)
+            except Exception as err:  # a diagnosis must never stop the beats
+                log.warning("ddp_strategy: rank %d: a heartbeat task failed: %r", self.rank, err)
+        if owed and not self._failures_read and not self._store_call(self._check_failures, store):
+            return False
+        return not self._rank0_failed()
 
     def _check_failures(self, store: Store) -> None:
         self._note_failures(store, int(store.add(_FAILURES_KEY, 0)))

@@ -367,6 +367,10 @@ class Beats:
             row["count"] += 1
             row["longest_wall_s"] = max(row["longest_wall_s"], call["wall_s"])
             row["longest_cpu_s"] = max(row["longest_cpu_s"], call["cpu_s"])
+        for thread, row in threads.items():  # the typical call beside the longest
+            mine = [c for c in self.calls if c["kind"] == kind and c["thread"] == thread]
+            row["median_wall_s"] = statistics.median(c["wall_s"] for c in mine)
+            row["median_cpu_s"] = statistics.median(c["cpu_s"] for c in mine)
         return threads
 
 

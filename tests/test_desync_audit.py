@@ -65,6 +65,29 @@ def test_a_beat_takes_few_calls_into_the_ledger_however_many_steps_a_second_the_
     assert len(ledger._pending) < 64 and ledger.state[0] == 1000
 
 
+def test_the_heartbeat_threads_comparison_at_a_peers_count_takes_in_only_the_calls_up_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    # the ledger comparison runs on the heartbeat thread (DesyncMonitor._look): it must not settle the training
+    # thread's calls there (up to 4.8 ms of a background wake-up's CPU, bench/step_pauses.py at 32d963c), only those
+    # up to the peer's count; how many calls there are costs nothing to read
+    import ddp_strategy.collective_record as record
+
+    monkeypatch.setattr(record, "_PENDING_MOST", 10**6)
+    ledger = CallLedger()
+    texts = [f"reduce training_step.loss torch.float32[] mean {i}" for i in range(100)]
+    for text in texts:
+        ledger.add(text)
+    assert ledger.count == 100 and ledger._state[0] == 0  # counted, nothing settled
+    digest = 0
+    for text in texts[:10]:
+        digest = zlib.crc32(text.encode(), digest)
+    assert ledger.digest_at(10) == digest
+    assert ledger._state[0] == 10 and len(ledger._pending) == 90 and ledger.count == 100  # up to 10 only
+    assert ledger.digest_at(5) is not None and ledger._state[0] == 10  # nothing more to take in
+    assert ledger.state[0] == 100 and ledger.digest_at(10) == digest
+
+
 def test_the_ledger_lets_the_gil_go_only_after_holding_it_a_quarter_millisecond(monkeypatch: pytest.MonkeyPatch):
     """A second of calls is settled without a sleep: on a VM a sleep costs more CPU than the calls (issue 30)."""
     import ddp_strategy.collective_record as record

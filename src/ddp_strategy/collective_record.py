@@ -163,8 +163,8 @@ class CallLedger:
         if len(self._pending) >= _PENDING_MOST:  # nothing read the state for long (no heartbeat): not unbounded
             self._settle(wait=False)
 
-    def _settle(self, *, wait: bool = True) -> None:
-        """Take the calls added since into the count and digest (any thread; one at a time).
+    def _settle(self, *, wait: bool = True, until: int | None = None) -> None:
+        """Take the calls added (``until``: up to that count) into the count and digest (any thread; one at a time).
 
         The GIL is let go (a short sleep) once the thread has kept it :data:`_HOLD_MOST` seconds while calls still
         wait (looked at every :data:`_SETTLED_AT_ONCE` calls, ~0.5 us each), so that a training thread waiting for
@@ -176,18 +176,19 @@ class CallLedger:
         try:
             count, digest = self._state
             pending, history, texts, keep = self._pending, self._history, self._texts, self._keep
-            until = time.perf_counter() + _HOLD_MOST
-            while pending:
-                for _ in range(min(len(pending), _SETTLED_AT_ONCE)):
+            last = count + len(pending) if until is None else until
+            hold_until = time.perf_counter() + _HOLD_MOST
+            while pending and count < last:
+                for _ in range(min(len(pending), _SETTLED_AT_ONCE, last - count)):
                     what = pending.popleft()
                     count, digest = count + 1, zlib.crc32(what.encode(), digest)
                     history[count] = digest
                     history.pop(count - keep, None)
                     texts.append((count, what))
                 self._state = (count, digest)
-                if pending and time.perf_counter() >= until:
+                if pending and count < last and time.perf_counter() >= hold_until:
                     time.sleep(_YIELD)
-                    until = time.perf_counter() + _HOLD_MOST
+                    hold_until = time.perf_counter() + _HOLD_MOST
         finally:
             self._settling.release()
 
@@ -203,9 +204,19 @@ class CallLedger:
         self._settle()
         return self._texts
 
+    @property
+    def count(self) -> int:
+        """How many calls were recorded, the pending ones included: no work (for another thread's quick look)."""
+        return self._state[0] + len(self._pending)
+
     def digest_at(self, count: int) -> int | None:
-        """The digest after ``count`` calls, if still kept (``0`` for none)."""
-        self._settle()
+        """The digest after ``count`` calls, if still kept (``0`` for none).
+
+        Takes pending calls into the digest up to ``count`` only: on the heartbeat thread, which compares a peer's
+        count, that is at most the :data:`_PENDING_MOST` calls the adding thread leaves, not a second's worth.
+        """
+        if count > self._state[0]:
+            self._settle(until=count)
         return 0 if count == 0 else self._history.get(count)
 
 

@@ -344,7 +344,7 @@ class DesyncMonitor:
 
         """
         calls, digest = int(peer.get("calls") or 0), int(peer.get("digest") or 0)
-        if calls == 0 or calls > self.ledger.state[0]:
+        if calls == 0 or calls > self.ledger.count:  # on the heartbeat thread: nothing settled but up to `calls`
             return False
         mine = self.ledger.digest_at(calls)
         return mine is not None and mine != digest

@@ -6,6 +6,8 @@ exact whatever the machine's load, so they are compared between world sizes dire
 
 from __future__ import annotations
 
+import array
+import json
 import threading
 import time
 from datetime import timedelta
@@ -430,6 +432,32 @@ def test_a_beat_on_the_training_thread_reads_nothing_its_look_runs_at_the_heartb
     stores[0].ops = 0
     monitors[0].beat(stores[0])  # on the heartbeat thread (the training thread is not stepping): it reads at once
     assert stores[0].ops > 0 and beat0.wake_tasks == []
+
+
+def test_a_look_reads_the_next_ranks_audited_calls_in_its_one_multi_get(monkeypatch):
+    # the look runs on the heartbeat thread, where each answer of the store costs a GIL hand-over: the next rank's
+    # audited calls come in the look's one multi_get (a `check` until that rank first published), not in a
+    # `check` and a `get` of their own
+    shared = dist.HashStore()
+    store = CountingStore(shared)
+    control = _BeatingControl(0, 2, store)
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    opened: list[int] = []
+    monkeypatch.setattr(monitor, "_answer", lambda store, inquiry: opened.append(inquiry))
+
+    def digests(*values: int) -> dict[str, list[Any]]:
+        return {"0": [1, array.array("I", values).tobytes().hex()]}
+
+    shared.set("pos/1", json.dumps({"calls": 0, "digest": 0}))  # rank 1's heartbeat
+    shared.set(monitor.recorder.peer_key, json.dumps(digests(7, 8)))  # rank 1's calls #1 and #2
+    monkeypatch.setattr(monitor.recorder, "due", lambda: True)
+    for mine, expected in ((digests(7), {"pos/1", "desync/audit/1", "multi_get"}), (digests(7, 9), {"multi_get"})):
+        monkeypatch.setattr(monitor.recorder, "publish", lambda store, background, mine=mine: mine)
+        monitor._next_look = 0.0  # a beat that looks
+        store.ops, store.by_key = 0, {}
+        monitor.beat(store)
+        assert set(store.by_key) - {"desync/inquiry"} == expected, store.by_key  # then one multi_get alone
+    assert opened == [1] and monitor._audit_inquired == {("0", 2)}  # call #2 differs: an inquiry, once
 
 
 def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(monkeypatch):

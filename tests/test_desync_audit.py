@@ -212,7 +212,9 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> FakeRecorder:
 def compare(audit: RecorderAudit, store: Any, *, background: bool = True) -> tuple[str, int] | None:
     """A beat's audit as the desync monitor runs it: publish (the beat), then compare (its look)."""
     mine = audit.publish(store, background=background)
-    return None if mine is None else audit.compare_with_peer(store, mine)
+    if mine is None or not audit.peer_published(store):
+        return None
+    return audit.compare_with_peer(mine, store.get(audit.peer_key))
 
 
 def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(

@@ -281,7 +281,8 @@ class DesyncMonitor:
         # every rank's heartbeat has stopped (ControlPlane.close)
         self._peer_published = self._peer_published or (look and store.check([self._peer_key]))
         peer = look and self._peer_published
-        keys = [_INQUIRY_KEY, _STUCK_KEY] + ([self._peer_key] if peer else [])
+        audit = mine is not None and self.recorder.peer_published(store)  # the next rank's audited calls with them
+        keys = [_INQUIRY_KEY, _STUCK_KEY] + [self._peer_key] * peer + [self.recorder.peer_key] * audit
         values = control.heartbeat.read_with_failures(store, keys)  # one round trip, the failure counter with them
         inquiry, stuck_ranks = int(values[0]), int(values[1])
         if inquiry > self._answered:
@@ -293,11 +294,11 @@ class DesyncMonitor:
             return
         if not look:
             return
-        if not self._ledger_inquired and len(values) > 2 and self._ledger_differs(json.loads(values[2])):
+        if not self._ledger_inquired and peer and self._ledger_differs(json.loads(values[2])):
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, _open(store, inquiry))
             return
-        difference = None if mine is None else self.recorder.compare_with_peer(store, mine)
+        difference = self.recorder.compare_with_peer(mine, values[-1]) if mine is not None and audit else None
         if difference is not None and difference not in self._audit_inquired:
             self._audit_inquired.add(difference)  # once per call: the verdict names it
             self._answer(store, _open(store, inquiry))

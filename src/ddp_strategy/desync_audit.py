@@ -89,6 +89,9 @@ class RecorderAudit:
         self.calls = CallAudit()
         #: the store key this rank publishes its digests under
         self.key = _AUDIT_KEY.format(rank=rank)
+        #: the next rank's key, which this rank compares with
+        self.peer_key = _AUDIT_KEY.format(rank=(rank + 1) % world_size)
+        self._peer_seen = False  # whether the next rank's key exists (it stays until the run's close)
         self._status: dict[str, tuple[int, int]] = {}  # the recorder's counters at the last dump
         self._unpublished = False  # a dump added calls since this rank last published its digests
         self._fetched: list[dict[str, Any]] | None = None  # a training-thread dump's entries, not parsed yet
@@ -245,16 +248,20 @@ class RecorderAudit:
         store.set(self.key, json.dumps(mine))
         return mine
 
-    def compare_with_peer(self, store: Store, mine: dict[str, list[Any]]) -> tuple[str, int] | None:
-        """After :meth:`publish` returned ``mine``: the first call whose digest differs from the next rank's.
+    def peer_published(self, store: Store) -> bool:
+        """Whether the next rank has published its digests (a ``check`` until it has; then none: the key stays)."""
+        self._peer_seen = self._peer_seen or store.check([self.peer_key])
+        return self._peer_seen
 
-        It reads the store (on the heartbeat thread). A rank compares after it publishes: of two ranks that audited
-        the same calls, the one that publishes second finds a difference.
+    @staticmethod
+    def compare_with_peer(mine: dict[str, list[Any]], peer: bytes) -> tuple[str, int] | None:
+        """The first call whose digest differs between ``mine`` (what :meth:`publish` returned) and ``peer``.
+
+        ``peer``: the value of :attr:`peer_key`, read after this rank published ``mine`` (on the heartbeat thread,
+        with the beat's other reads). Of two ranks that audited the same calls, the one that publishes second finds
+        a difference.
         """
-        peer = _AUDIT_KEY.format(rank=(self.rank + 1) % self.world_size)
-        if not store.check([peer]):
-            return None
-        return first_published_difference([mine, json.loads(store.get(peer))])
+        return first_published_difference([mine, json.loads(peer)])
 
     def report_calls(self, notes: CallNotes, most: int) -> list[CollectiveCall]:
         """This rank's newest calls for a report (with stacks: costly): the recorder's, after those audited before.

@@ -369,10 +369,15 @@ def first_published_difference(publications: Sequence[Mapping[str, Sequence[Any]
         low, high = starts[1], ends[-2]  # the calls at least two ranks published
         if all(first == starts[0] for first in starts) and all(v == tables[0][1] for _, v in tables):
             continue  # the same calls, the same digests (the usual case at a stage's end)
-        if len(tables) == 2:  # a rank and the next one, as the heartbeat compares: equal where both published
+        if len(tables) == 2:  # a rank and the next one, as the heartbeat compares: pairs of digests, no sets
+            if low >= high:
+                continue  # no call both published
             (first0, values0), (first1, values1) = tables
-            if low >= high or values0[low - first0 : high - first0] == values1[low - first1 : high - first1]:
-                continue  # one comparison of the arrays, not one set per call (about 0.2 ms on a loaded VM)
+            pairs = zip(values0[low - first0 : high - first0], values1[low - first1 : high - first1], strict=True)
+            differs = next((i for i, (a, b) in enumerate(pairs) if a != b and a and b), None)
+            if differs is None:
+                continue
+            return group, low + differs
         for seq in range(low, high):
             values = {v[seq - first] for first, v in tables if first <= seq < first + len(v)} - {0}
             if len(values) > 1:

@@ -1736,3 +1736,83 @@ def test_the_audit_split_over_two_beats_is_the_result_file():
         f"{longest['wall_less_profiling_s'] * 1e3:.3f} ms wall, {longest['on_core_s'] * 1e3:.3f} ms on a core, "
         f"{longest['runnable_s'] * 1e3:.3f} ms runnable",
     )
+
+
+WAKE_READS = ("32d963c", "f569b3b", "f950971")
+
+
+def test_the_beats_reads_on_the_heartbeat_thread_are_the_result_files():
+    """bench/README.md's section on the beat's reads: step_pauses rows, the A/B table, the tiny-step row, figures."""
+    heading = "#### The beat's reads on the heartbeat thread"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    fits: dict[str, list[dict[str, Any]]] = {}
+    for sha in WAKE_READS:
+        data = result(f"step_pauses-intel-wake-reads-{sha}")
+        stock = {f["round"]: f for f in data["fits"] if f["variant"] == "stock"}
+        fits[sha] = [f for f in data["fits"] if f["variant"] == "safe"]
+        for fit in fits[sha]:
+            holds, beat = fit["background_holds"], fit["beats"]["MainThread"]
+            wake = fit["wake_reads"]["ddp_strategy-heartbeat-rank0"]
+            assert set(fit["beats"]) == {"MainThread"}  # every beat in training on the training thread
+            median = f"{beat['median_wall_s'] * 1e3:.3f}" if "median_wall_s" in beat else "-"
+            wake_median = f"{wake['median_cpu_s'] * 1e3:.3f}" if "median_cpu_s" in wake else "-"
+            cells = [sha, str(fit["round"]), str(holds["stretches"]), str(holds["over_1ms"])]
+            cells += [
+                str(holds["over_1ms_wall"]),
+                str(holds["over_1ms_on_core"]),
+                f"{holds['longest']['cpu_s'] * 1e3:.3f}",
+            ]
+            cells.append(
+                f"{beat['count']} ({beat['longest_wall_s'] * 1e3:.3f} / {beat['longest_cpu_s'] * 1e3:.3f}; {median})"
+            )
+            cells.append(f"{wake['count']} ({wake_median})")
+            gaps = fit["hook_gaps"]["p999_s"], stock[fit["round"]]["hook_gaps"]["p999_s"]
+            assert gaps[0] < gaps[1]  # "below stock's in every round"
+            cells.append(f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}")
+            assert f"| {' | '.join(cells)} |" in section, cells
+    last = fits["f950971"]
+    assert all(f["background_holds"][k] == 0 for f in last for k in ("over_1ms", "over_1ms_wall", "over_1ms_on_core"))
+    longest = max(f["background_holds"]["longest"]["cpu_s"] for f in last)
+    assert f"in either fit (the longest {longest * 1e3:.3f} ms of CPU)" in section
+    beats = [f["beats"]["MainThread"] for f in last]
+    medians = sorted(b["median_wall_s"] for b in beats)
+    walls = sorted(b["longest_wall_s"] for b in beats)
+    worst = max(beats, key=lambda b: b["longest_wall_s"])
+    assert (
+        f"{medians[0] * 1e3:.2f} to {medians[1] * 1e3:.2f} ms of wall time at the median; the longest of "
+        f"{sum(b['count'] for b in beats)} took {walls[1] * 1e3:.3f} ms of wall time** "
+        f"({worst['longest_cpu_s'] * 1e3:.3f} of CPU;" in section
+    )
+    assert f"the other fit's longest {walls[0] * 1e3:.3f}" in section
+    first = [f["background_holds"]["longest"] for f in fits["32d963c"]]
+    assert all(h["from"] == "heartbeat.py:358" and h["to"] == "collective_record.py:189" for h in first)
+    assert f"stretches {first[0]['cpu_s'] * 1e3:.3f} and {first[1]['cpu_s'] * 1e3:.3f} ms of CPU" in section
+    wide = max((f["background_holds"]["longest"] for f in fits["f569b3b"]), key=lambda h: h["cpu_s"])
+    assert wide["from"] == "heartbeat.py:358" and f"one stretch of {wide['cpu_s'] * 1e3:.3f} ms of CPU" in section
+    ab = result("strategy_cost_ab-wake-reads")
+    assert ab["base"].startswith("55deedf") and ab["head"].startswith("f569b3b") and not ab["dirty"]
+    labels = {
+        "own": "own CPU per step, in all",
+        "training thread": "the training thread",
+        "Python threads": "the strategy's Python threads",
+    }
+    assert_ab_table(ab, heading, labels)
+    mlp = ab["analysis"]["mlp"]
+    assert f"({mlp['training thread']['median']:.3f})" in section and mlp["training thread"]["range"][1] < 1
+    assert (
+        f"In all, {mlp['own']['median']:.3f} of before on the MLP, {ab['analysis']['tiny']['own']['median']:.3f}"
+        in section
+    )
+    tiny = result("tiny_step-intel-wake-reads-f569b3b")
+    assert tiny["meta"]["git"] == "commit f569b3b" and tiny["config"]["bare_kwargs"] == {"desync_detection": False}
+    assert _pooled_row("`wake-reads` (f569b3b)", tiny, "safe_bare / stock", "safe / safe_bare") in section
+    nolog, synced = (_ratio_row(tiny, m, "safe / stock") for m in ("nolog", "sync_dist"))
+    assert (
+        f"**Point 3 held in this run**: {nolog['step_mean_s']['of_medians']:.3f} without logging, "
+        f"{synced['step_mean_s']['of_medians']:.3f} with the `sync_dist` log; by the training thread's CPU "
+        f"{nolog['cpu_step_s']['of_medians']:.3f} without logging" in section
+    )
+    assert nolog["step_mean_s"]["of_medians"] <= 1.02 and synced["step_mean_s"]["of_medians"] <= 1.02
+    assert f"{synced['cpu_step_s']['of_medians']:.3f} with it" in section
+    loads = tiny["meta"]["loadavg_start"][0], tiny["meta"]["loadavg_end"][0]
+    assert f"{loads[0]:.1f} at its start and {loads[1]:.1f} at its end" in section

@@ -634,6 +634,20 @@ def assert_ab_table(ab: dict[str, Any], heading: str, labels: dict[str, str] | N
         assert table[label] == cells, label
 
 
+def assert_ab_section(name: str, base: str, head: str, heading: str, training: str) -> dict[str, Any]:
+    """The A/B result ``name`` (``base`` against ``head``, a clean tree) is the table under ``heading``: in all, the
+    training thread's part (labelled ``training``) and the strategy's Python threads'. Returns the result."""
+    ab = result(name)
+    assert ab["base"].startswith(base) and ab["head"].startswith(head) and not ab["dirty"]
+    labels = {
+        "own": "own CPU per step, in all",
+        "training thread": training,
+        "Python threads": "the strategy's Python threads",
+    }
+    assert_ab_table(ab, heading, labels)
+    return ab
+
+
 def test_heartbeat_merge_ab_table_is_the_result_files():
     """bench/README.md's A/B of one heartbeat thread against two: medians and paired ratios from the result file."""
     ab = result("strategy_cost_ab-heartbeat-merge")
@@ -1573,14 +1587,10 @@ def test_the_beat_on_the_training_thread_is_the_result_files():
         assert fit["hook_gaps"]["p999_s"] < same["hook_gaps"]["p999_s"]  # "below stock's in both"
     longest = max(f["background_holds"]["longest"]["cpu_s"] for f in safe)
     assert_on("bench/README.md", f"the longest {longest * 1e3:.3f} ms of CPU, against about 450 stretches before")
-    ab = result("strategy_cost_ab-inline-beat")
-    assert ab["base"].startswith("8d30fe1") and ab["head"].startswith("96bc357") and not ab["dirty"]
-    labels = {
-        "own": "own CPU per step, in all",
-        "training thread": "training thread (the beats moved here)",
-        "Python threads": "the strategy's Python threads",
-    }
-    assert_ab_table(ab, "#### The beat on the training thread", labels)
+    ab = assert_ab_section(
+        "strategy_cost_ab-inline-beat", "8d30fe1", "96bc357", "#### The beat on the training thread",
+        "training thread (the beats moved here)",
+    )  # fmt: skip
     for workload in ("mlp", "tiny"):
         assert max(ab["analysis"][workload]["own"]["ratios"]) < 1  # "two rounds each, both lower"
     waits = [run[side]["mlp"]["idle_thread"] for run in ab["runs"] for side in ("base", "head")]
@@ -1789,14 +1799,7 @@ def test_the_beats_reads_on_the_heartbeat_thread_are_the_result_files():
     assert f"stretches {first[0]['cpu_s'] * 1e3:.3f} and {first[1]['cpu_s'] * 1e3:.3f} ms of CPU" in section
     wide = max((f["background_holds"]["longest"] for f in fits["f569b3b"]), key=lambda h: h["cpu_s"])
     assert wide["from"] == "heartbeat.py:358" and f"one stretch of {wide['cpu_s'] * 1e3:.3f} ms of CPU" in section
-    ab = result("strategy_cost_ab-wake-reads")
-    assert ab["base"].startswith("55deedf") and ab["head"].startswith("f569b3b") and not ab["dirty"]
-    labels = {
-        "own": "own CPU per step, in all",
-        "training thread": "the training thread",
-        "Python threads": "the strategy's Python threads",
-    }
-    assert_ab_table(ab, heading, labels)
+    ab = assert_ab_section("strategy_cost_ab-wake-reads", "55deedf", "f569b3b", heading, "the training thread")
     mlp = ab["analysis"]["mlp"]
     assert f"({mlp['training thread']['median']:.3f})" in section and mlp["training thread"]["range"][1] < 1
     assert (

@@ -1819,3 +1819,27 @@ def test_the_beats_reads_on_the_heartbeat_thread_are_the_result_files():
     assert f"{synced['cpu_step_s']['of_medians']:.3f} with it" in section
     loads = tiny["meta"]["loadavg_start"][0], tiny["meta"]["loadavg_end"][0]
     assert f"{loads[0]:.1f} at its start and {loads[1]:.1f} at its end" in section
+    runs = {
+        "`wake-reads-2` (d83ad17)": "tiny_step-intel-wake-reads-2-f950971",
+        "`wake-reads-3` (02df4d9)": "tiny_step-intel-wake-reads-3-f950971",
+        "pooled, 20 rounds": "tiny_step-intel-pooled-wake-reads-2-runs",
+    }
+    for label, name in runs.items():
+        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in section, label
+    commits = [result(name)["meta"]["git"] for name in list(runs.values())[:2]]
+    assert commits == ["commit d83ad17", "commit 02df4d9"]
+    pool = result(runs["pooled, 20 rounds"])
+    assert [s["run"] for s in pool["pooled_from"]] == list(runs.values())[:2]
+    pooled = _ratio_row(pool, "nolog", "safe / stock")
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    assert (
+        f"20 rounds): {pooled['step_mean_s']['of_medians']:.3f} without logging (paired median "
+        f"{pooled['step_mean_s']['paired']['median']:.3f}; resampling runs, then rounds within them, "
+        f"[{low:.3f}, {high:.3f}])" in section
+    )
+    cpus = [f"{_ratio_row(result(n), 'nolog', 'safe / stock')['cpu_step_s']['of_medians']:.3f}" for n in runs.values()]
+    assert f"By the training thread's CPU {cpus[0]} and {cpus[1]} by run, {cpus[2]} pooled" in section
+    synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+    assert f"`sync_dist` log {synced:.3f}. By" in section
+    third = _ratio_row(result(runs["`wake-reads-3` (02df4d9)"]), "nolog", "safe / stock")["step_mean_s"]["of_medians"]
+    assert f"only in two of them ({third:.3f} the third)" in section and third > 1.02

@@ -159,8 +159,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         # one beat at a time, on either thread; the training thread never waits for it (see `beat_if_due`)
         self._beat_lock = threading.Lock()
-        #: ``True`` during a beat on the training thread (:meth:`beat_if_due`): a hook then leaves work that may wait
-        #: to the heartbeat thread (:meth:`hand_over`)
+        #: ``True`` during a beat on the training thread (:meth:`beat_if_due`): a hook then leaves work that reads the
+        #: store to the heartbeat thread's next wake-up (:meth:`at_next_wake`)
         self.inline = False
         self._stepped_at = -1e9  # time.monotonic() of the training thread's last training-step note
         self._inline_off = False  # the training thread beats no more (the store failed it; the thread reports it)
@@ -265,9 +265,10 @@ class Heartbeat:
     def beat_if_due(self) -> None:
         """On the training thread: the beat that is due, unless the heartbeat thread is in one (no waiting).
 
-        The same beat as the heartbeat thread's (publication, failure check, hooks) with :attr:`inline` set, so that
-        a hook hands work that may wait to that thread (:meth:`hand_over`). Never raises: a store that fails here
-        ends the training thread's beats, and the heartbeat thread meets the failure itself and reports it.
+        The same beat as the heartbeat thread's (publication, hooks) with :attr:`inline` set, so that a hook leaves
+        work that reads the store to that thread (:meth:`at_next_wake`); the failure check waits for it too. Never
+        raises: a store that fails here ends the training thread's beats, and the heartbeat thread meets the failure
+        itself and reports it.
         """
         if self._thread is None or self._inline_off or not self._beat_lock.acquire(blocking=False):
             return

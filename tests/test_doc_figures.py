@@ -1691,6 +1691,25 @@ def test_the_audits_parsing_at_a_step_of_its_own_is_the_result_file():
     )
 
 
+def _assert_pooled_runs(section: str, runs: dict[str, str], before: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``section`` has a row per run of ``runs`` (label: result; the pool last, made of the others) and the pool's
+    sentence "{ratio} without logging (paired median ...; resampling runs, ...)", after ``before``. Returns the
+    pool and its safe / stock row without logging."""
+    for label, name in runs.items():
+        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in section, label
+    *parts, pooled = runs.values()
+    pool = result(pooled)
+    assert [s["run"] for s in pool["pooled_from"]] == parts
+    nolog = _ratio_row(pool, "nolog", "safe / stock")
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    assert (
+        f"{before}{nolog['step_mean_s']['of_medians']:.3f} without logging (paired median "
+        f"{nolog['step_mean_s']['paired']['median']:.3f}; resampling runs, then rounds within them, "
+        f"[{low:.3f}, {high:.3f}])" in section
+    )
+    return pool, nolog
+
+
 DUMP_STEP_RUNS = {
     "`dump-step-1`": "tiny_step-intel-dump-step-1-c46ad94",
     "`dump-step-2`": "tiny_step-intel-dump-step-2-c46ad94",
@@ -1702,20 +1721,10 @@ DUMP_STEP_RUNS = {
 def test_the_tiny_step_runs_with_the_audits_dump_at_a_step_of_its_own_are_the_result_files():
     """bench/README.md's three tiny-step runs at c46ad94, their pool and the figures quoted under the table."""
     section = " ".join((ROOT / "bench/README.md").read_text().split("#### The audit's dump at a step")[1].split())
-    for label, name in DUMP_STEP_RUNS.items():
-        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in section, label
-        if not label.startswith("pooled"):
-            assert result(name)["meta"]["git"] == "commit c46ad94"
-            assert result(name)["config"]["bare_kwargs"] == {"desync_detection": False}
-    pool = result(DUMP_STEP_RUNS["pooled, 30 rounds"])
-    assert [s["run"] for s in pool["pooled_from"]] == list(DUMP_STEP_RUNS.values())[:-1]
-    nolog = _ratio_row(pool, "nolog", "safe / stock")
-    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
-    assert (
-        f"{nolog['step_mean_s']['of_medians']:.3f} without logging (paired median "
-        f"{nolog['step_mean_s']['paired']['median']:.3f}; resampling runs, then rounds within them, "
-        f"[{low:.3f}, {high:.3f}])" in section
-    )
+    for name in list(DUMP_STEP_RUNS.values())[:-1]:
+        assert result(name)["meta"]["git"] == "commit c46ad94"
+        assert result(name)["config"]["bare_kwargs"] == {"desync_detection": False}
+    _, nolog = _assert_pooled_runs(section, DUMP_STEP_RUNS)
     runs = [_ratio_row(result(n), "nolog", "safe / stock") for n in list(DUMP_STEP_RUNS.values())[:-1]]
     means = [f"{r['step_mean_s']['of_medians']:.3f}" for r in runs]
     assert f"2 of 3 runs at most 1.02 ({means[0]}, {means[1]}; the third {means[2]})" in section
@@ -1824,19 +1833,9 @@ def test_the_beats_reads_on_the_heartbeat_thread_are_the_result_files():
         "`wake-reads-3` (02df4d9)": "tiny_step-intel-wake-reads-3-f950971",
         "pooled, 20 rounds": "tiny_step-intel-pooled-wake-reads-2-runs",
     }
-    for label, name in runs.items():
-        assert _pooled_row(label, result(name), "safe_bare / stock", "safe / safe_bare") in section, label
     commits = [result(name)["meta"]["git"] for name in list(runs.values())[:2]]
     assert commits == ["commit d83ad17", "commit 02df4d9"]
-    pool = result(runs["pooled, 20 rounds"])
-    assert [s["run"] for s in pool["pooled_from"]] == list(runs.values())[:2]
-    pooled = _ratio_row(pool, "nolog", "safe / stock")
-    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
-    assert (
-        f"20 rounds): {pooled['step_mean_s']['of_medians']:.3f} without logging (paired median "
-        f"{pooled['step_mean_s']['paired']['median']:.3f}; resampling runs, then rounds within them, "
-        f"[{low:.3f}, {high:.3f}])" in section
-    )
+    pool, _ = _assert_pooled_runs(section, runs, "20 rounds): ")
     cpus = [f"{_ratio_row(result(n), 'nolog', 'safe / stock')['cpu_step_s']['of_medians']:.3f}" for n in runs.values()]
     assert f"By the training thread's CPU {cpus[0]} and {cpus[1]} by run, {cpus[2]} pooled" in section
     synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]

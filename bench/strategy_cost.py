@@ -25,8 +25,9 @@ weight agreement, once per epoch, is reported on its own.
 Writes ``strategy_cost.json`` and ``strategy_cost.md`` (``--name``: another name) into ``--results-dir`` (default
 ``bench/results``); ``--workloads`` adds ``tiny``, ``bench/tiny_step.py``'s model with its ``sync_dist`` log;
 ``DDP_STRATEGY_BENCH_NO_DESYNC=1`` measures ``SafeDDPStrategy(desync_detection=False)`` into
-``strategy_cost_no_desync.{json,md}``; ``--heartbeat-parts`` also times the heartbeat thread's parts (its
-publication, the beat hooks, their store read, the audit's dumps; the rest is its wake-ups and loop).
+``strategy_cost_no_desync.{json,md}``; ``--heartbeat-parts`` also times the heartbeat's parts on each thread (the
+beat on the training thread, its publication and hook; the audit's dump and parsing there; the look on the heartbeat
+thread and its store read; the rest is that thread's wake-ups and loop: ``HEARTBEAT_PARTS``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import ddp_strategy.control as control_module  # noqa: E402
 from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
 from ddp_strategy.collective_record import LogSites  # noqa: E402
+from ddp_strategy.desync import DesyncMonitor  # noqa: E402
 from ddp_strategy.desync_audit import RecorderAudit  # noqa: E402
 from ddp_strategy.heartbeat import Heartbeat  # noqa: E402
 
@@ -300,23 +302,31 @@ def instrument_log_sites(counters: Counters) -> Callable[[], None]:
     return functools.partial(setattr, LogSites, "install", original)
 
 
-#: ``--heartbeat-parts``: the heartbeat thread's code timed by part, each part with what it calls (a part indented
-#: by two spaces runs inside the one above it); the rest of the thread's CPU is its wake-ups and its loop. The beats
-#: the training thread runs while it trains (``Heartbeat.beat_if_due``) count in ``on_train_batch_start``, not here
-HEARTBEAT_PARTS = {
-    "publication (the position's JSON and its set)": (Heartbeat, "publish"),
-    "beat hooks (the desync monitor's)": (Heartbeat, "_beat"),
-    "  their store read (read_with_failures)": (Heartbeat, "read_with_failures"),
-    "  the audit's recorder dumps": (RecorderAudit, "_dump"),
-    "failure check without a hook": (Heartbeat, "_check_failures"),
+#: ``--heartbeat-parts``: the heartbeat's code timed by part on the thread named (a call on the other thread is not
+#: timed), each part with what it calls; a part indented by two spaces runs inside the one above it. While the
+#: training thread trains, it runs the beat (``Heartbeat.beat_if_due``, from ``note_step``) and the audit's dump and
+#: parsing at the steps after one: those count in ``on_train_batch_start``'s figure, not again. The heartbeat thread,
+#: waking a quarter of an interval after a beat was due, runs what the beat left it (the desync monitor's look, which
+#: reads the store), or its own beat when the training thread did not beat; the rest of its CPU is its wake-ups and
+#: its loop (:data:`HEARTBEAT_REST`).
+HEARTBEAT_PARTS: dict[str, tuple[str, Any, str]] = {
+    "training thread: the beat (`beat_if_due`)": ("training", Heartbeat, "beat_if_due"),
+    "  the position's publication (its JSON and its `set`)": ("training", Heartbeat, "publish"),
+    "  the desync monitor's beat (the ledger's digest, the audit's publication)": ("training", DesyncMonitor, "beat"),
+    "training thread: the audit's dump, at the step after a beat": ("training", DesyncMonitor, "_dump_in_step"),
+    "training thread: its parsing, at the step after that": ("training", RecorderAudit, "parse_fetched"),
+    "heartbeat thread: what a beat left it (`_after_inline_beat`)": ("heartbeat", Heartbeat, "_after_inline_beat"),
+    "  the desync monitor's look (`_look`)": ("heartbeat", DesyncMonitor, "_look"),
+    "    its store read (`read_with_failures`, one `multi_get`)": ("heartbeat", Heartbeat, "read_with_failures"),
+    "heartbeat thread: its own beats (`_beat_once`)": ("heartbeat", Heartbeat, "_beat_once"),
 }
-HEARTBEAT_REST = "the rest: wake-ups and the loop"
+HEARTBEAT_REST = "heartbeat thread: the rest (wake-ups and the loop)"
 
 
 class HeartbeatParts:
-    """``--heartbeat-parts``: the heartbeat thread's CPU by part (:data:`HEARTBEAT_PARTS`), its thread clock only.
+    """``--heartbeat-parts``: the heartbeat's CPU by part (:data:`HEARTBEAT_PARTS`), each by its thread's clock.
 
-    Each timed call costs the heartbeat thread two clock reads (about 1 us); a few calls a second, not subtracted.
+    Each timed call costs its thread two clock reads (about 1 us); a few calls a second, not subtracted.
     """
 
     def __init__(self) -> None:
@@ -326,9 +336,9 @@ class HeartbeatParts:
     def install(self) -> Callable[[], None]:
         """Wrap each part; returns the function that undoes it."""
         undo: list[Callable[[], None]] = []
-        for label, (owner, name) in HEARTBEAT_PARTS.items():
+        for label, (thread, owner, name) in HEARTBEAT_PARTS.items():
             original = getattr(owner, name)
-            setattr(owner, name, self._timed(label, original))
+            setattr(owner, name, self._timed(label, thread == "heartbeat", original))
             undo.append(functools.partial(setattr, owner, name, original))
 
         def restore() -> None:
@@ -337,11 +347,11 @@ class HeartbeatParts:
 
         return restore
 
-    def _timed(self, label: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, label: str, on_heartbeat_thread: bool, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not threading.current_thread().name.startswith("ddp_strategy-heartbeat"):
-                return method(*args, **kwargs)  # the training thread's calls (its dumps as epochs start) are not parts
+            if threading.current_thread().name.startswith("ddp_strategy-heartbeat") != on_heartbeat_thread:
+                return method(*args, **kwargs)  # the part of the other thread (a beat there, a dump as epochs start)
             start = time.thread_time()
             try:
                 return method(*args, **kwargs)
@@ -359,7 +369,7 @@ def heartbeat_parts_per_step(window: Window, heartbeat_cpu_per_step: float) -> d
     """Per step in the window: each part's CPU and calls, and the rest of the heartbeat thread's CPU."""
     (cpu0, calls0), (cpu1, calls1) = window.parts_start, window.parts_end
     per_step = {label: (cpu1.get(label, 0.0) - cpu0.get(label, 0.0)) / window.steps for label in HEARTBEAT_PARTS}
-    top = sum(v for label, v in per_step.items() if not label.startswith(" "))
+    top = sum(v for label, v in per_step.items() if label.startswith("heartbeat thread:"))
     return {
         "cpu_per_step_s": {**per_step, HEARTBEAT_REST: heartbeat_cpu_per_step - top},
         "calls_in_window": {label: calls1.get(label, 0) - calls0.get(label, 0) for label in HEARTBEAT_PARTS},
@@ -540,7 +550,7 @@ def fit(workload: str, devices: int, steps: int, root: str, heartbeat_parts: boo
             for key, v in sorted(counters.per_call.items())
             if v
         },
-        # --heartbeat-parts: the heartbeat thread's CPU by part (see HEARTBEAT_PARTS)
+        # --heartbeat-parts: the heartbeat's CPU by part on each thread (see HEARTBEAT_PARTS)
         **({"heartbeat_parts": heartbeat_parts_per_step(window, heartbeat)} if parts is not None else {}),
     }
 
@@ -633,8 +643,9 @@ def render(result: dict[str, Any]) -> list[str]:
     with_parts = [row for row in result["workloads"] if "heartbeat_parts" in row]
     if with_parts:
         head = (
-            "The heartbeat thread by part (`--heartbeat-parts`; us per step, calls in the window in brackets; a part "
-            "indented runs inside the one above; each part includes what it calls):"
+            "The heartbeat by part, on each thread (`--heartbeat-parts`; us per step, calls in the window in brackets; "
+            "a part indented runs inside the one above; each part includes what it calls; the training thread's parts "
+            "are in its `on_train_batch_start` figure above):"
         )
         lines += ["", head, ""]
         for row in with_parts:
@@ -642,7 +653,7 @@ def render(result: dict[str, Any]) -> list[str]:
             lines.append(f"- {row['workload']}:")
             for label, cpu in parts["cpu_per_step_s"].items():
                 calls = parts["calls_in_window"].get(label)
-                indent = "  " * (1 + label.startswith(" "))
+                indent = "  " * (1 + (len(label) - len(label.lstrip(" "))) // 2)
                 lines.append(f"{indent}- {label.strip()}: {cpu * 1e6:.1f}" + ("" if calls is None else f" ({calls})"))
     return lines
 
@@ -655,7 +666,7 @@ def main() -> None:
     parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--name", help="results file name, no suffix (default strategy_cost[_no_desync])")
     parser.add_argument(
-        "--heartbeat-parts", action="store_true", help="time the heartbeat thread's parts too (HEARTBEAT_PARTS)"
+        "--heartbeat-parts", action="store_true", help="time the heartbeat's parts on each thread too (HEARTBEAT_PARTS)"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -1842,3 +1842,102 @@ def test_the_beats_reads_on_the_heartbeat_thread_are_the_result_files():
     assert f"`sync_dist` log {synced:.3f}. By" in section
     third = _ratio_row(result(runs["`wake-reads-3` (02df4d9)"]), "nolog", "safe / stock")["step_mean_s"]["of_medians"]
     assert f"only in two of them ({third:.3f} the third)" in section and third > 1.02
+
+
+def test_where_a_steps_own_cpu_goes_tables_and_figures_are_the_result_files():
+    """bench/README.md's heartbeat by part on both threads, the step's own CPU in four parts, the third tiny run."""
+    heading = "#### Where a step's own CPU goes: the heartbeat on both threads"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    data = result("strategy_cost-heartbeat-both-threads")
+    mlp, cifar = data["workloads"]
+    assert (mlp["workload"], cifar["workload"], mlp["steps"], cifar["steps"]) == ("mlp", "cifar", 120, 120)
+    readme_labels = {
+        "training thread: the beat (`beat_if_due`)": "training thread: the beat (`beat_if_due`)",
+        "of the beat: the position's publication (its JSON and its `set`)": (
+            "  the position's publication (its JSON and its `set`)"
+        ),
+        "of the beat: the desync monitor's beat (the ledger's digest, the audit's publication)": (
+            "  the desync monitor's beat (the ledger's digest, the audit's publication)"
+        ),
+        "training thread: the audit's dump, at the step after a beat": (
+            "training thread: the audit's dump, at the step after a beat"
+        ),
+        "training thread: its parsing, at the step after that": "training thread: its parsing, at the step after that",
+        "heartbeat thread: what a beat left it (`_after_inline_beat`)": (
+            "heartbeat thread: what a beat left it (`_after_inline_beat`)"
+        ),
+        "of it: the desync monitor's look (`_look`)": "  the desync monitor's look (`_look`)",
+        "of the look: its store read (`read_with_failures`, one `multi_get`)": (
+            "    its store read (`read_with_failures`, one `multi_get`)"
+        ),
+        "heartbeat thread: the rest (wake-ups and the loop)": "heartbeat thread: the rest (wake-ups and the loop)",
+    }
+    for label, part in readme_labels.items():
+        cells = [label]
+        for row in (mlp, cifar):
+            cpu, calls = row["heartbeat_parts"]["cpu_per_step_s"][part], row["heartbeat_parts"]["calls_in_window"]
+            cells.append(f"{cpu * 1e6:.1f}")
+            cells.append(f"{cpu * row['steps'] / calls[part] * 1e6:.0f} ({calls[part]})" if calls.get(part) else "-")
+        assert f"| {' | '.join(cells)} |" in section, label
+    other_hooks = (
+        "the other per-step hooks: `on_train_batch_start` less the heartbeat's parts, `optimizer_step`, "
+        "`post_backward`, the callbacks"
+    )
+    parts: dict[str, dict[str, float]] = {}
+    for row in (mlp, cifar):
+        own, hb_parts = row["own_per_method_s"], row["heartbeat_parts"]["cpu_per_step_s"]
+        training = sum(v for k, v in hb_parts.items() if k.startswith("training thread:"))
+        callbacks = sum(v for k, v in own.items() if "." in k and k != "self.log wrapper")
+        hooks = own["on_train_batch_start"] - training + own["optimizer_step"] + own["post_backward"] + callbacks
+        parts[row["workload"]] = {
+            "own CPU per step, in all": row["own_cpu_per_step_s"],
+            "the heartbeat on the training thread (the beat, the audit's dump and parsing)": training,
+            "the heartbeat thread": row["threads_cpu_per_step_s"]["ddp_strategy-heartbeat-rank0"],
+            "the `self.log(..., sync_dist=True)` values (`reduce` and the `self.log` wrapper)": (
+                own["reduce"] + own["self.log wrapper"]
+            ),
+            other_hooks: hooks,
+            "obs": own["on_train_batch_start"] - training,
+            "callbacks": callbacks,
+        }
+        in_all = sum(
+            v for k, v in parts[row["workload"]].items() if k not in ("own CPU per step, in all", "obs", "callbacks")
+        )
+        assert abs(in_all - row["own_cpu_per_step_s"]) < 1e-9  # the four parts are the whole
+    for label in list(parts["mlp"])[:5]:
+        assert f"| {label} | {parts['mlp'][label] * 1e6:.1f} | {parts['cifar'][label] * 1e6:.1f} |" in section, label
+    m = parts["mlp"]
+    own = mlp["own_per_method_s"]
+    hooks = m[other_hooks]
+    assert (
+        f"the per-step hooks without any heartbeat work are {hooks * 1e6:.0f} us** (`on_train_batch_start`'s own "
+        f"{m['obs'] * 1e6:.1f} with the trainable-set test, `optimizer_step` {own['optimizer_step'] * 1e6:.1f}, the "
+        f"callbacks' turns {m['callbacks'] * 1e6:.1f}, `post_backward` {own['post_backward'] * 1e6:.1f})" in section
+    )
+    hb = mlp["heartbeat_parts"]
+    rest = hb["cpu_per_step_s"]["heartbeat thread: the rest (wake-ups and the loop)"]
+    read_part = "    its store read (`read_with_failures`, one `multi_get`)"
+    read = hb["cpu_per_step_s"][read_part]
+    look = hb["cpu_per_step_s"]["  the desync monitor's look (`_look`)"]
+    assert (
+        f"about {rest * 1e6 + read * 1e6:.0f} us per MLP step**: its wake-ups and loop ({rest * 1e6:.1f}; a thread "
+        f"that only waits 1 s at a time measured beside it cost {mlp['idle_thread_per_step_s'] * 1e6:.1f})" in section
+    )
+    per_read = read * mlp["steps"] / hb["calls_in_window"][read_part]
+    assert f"({read * 1e6:.1f}, {per_read * 1e6:.0f} us of the thread's CPU per `multi_get`" in section
+    assert f"the look's own Python is the other {(look - read) * 1e6:.1f}" in section
+    runs = {
+        "`wake-reads-2` (d83ad17)": "tiny_step-intel-wake-reads-2-f950971",
+        "`wake-reads-3` (02df4d9)": "tiny_step-intel-wake-reads-3-f950971",
+        "`wake-reads-4` (e666f71)": "tiny_step-intel-wake-reads-4-f950971",
+        "pooled, 30 rounds": "tiny_step-intel-pooled-wake-reads-3-runs",
+    }
+    assert result(runs["`wake-reads-4` (e666f71)"])["meta"]["git"] == "commit e666f71"
+    pool, nolog = _assert_pooled_runs(section, runs, "(30 rounds): ")
+    assert nolog["step_mean_s"]["of_medians"] <= 1.02
+    synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+    cpus = [_ratio_row(result(n), "nolog", "safe / stock")["cpu_step_s"]["of_medians"] for n in runs.values()]
+    assert (
+        f"{synced:.3f} with the `sync_dist` log; by the training thread's CPU {cpus[2]:.3f} in the new run, "
+        f"{cpus[3]:.3f} pooled" in section
+    )

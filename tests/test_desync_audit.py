@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import sys
 import threading
 import time
 import zlib
@@ -35,6 +36,7 @@ from ddp_strategy.collective_record import (
 )
 from ddp_strategy.desync import DesyncMonitor
 from ddp_strategy.desync_audit import RecorderAudit
+from ddp_strategy.errors import CollectiveMismatchError
 
 
 def test_the_ledger_digest_is_the_eager_one_computed_by_the_reading_thread():
@@ -360,6 +362,40 @@ def test_a_beat_reads_the_recorder_only_when_the_training_thread_did_not_move_on
     control.in_barrier = ("barrier 3 'save'", 5.0)
     control.heartbeat.position = object()  # a barrier is a new position, and a wait
     assert monitor._watched_wait() == ("barrier 3 'save'", 5.0)
+
+
+def test_after_a_verdict_a_rank_exits_only_while_its_training_thread_stays_in_one_frame(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    """A collective that returned with the backend's error stays pending in the recorder, and a training thread that
+    raises it, or tears down through torch's code, is in torch's code now and then: it must reach the launcher, which
+    raises the agreed error. Only a thread found in the same frame at the same instruction at two beats is blocked,
+    and only then does the process print the error and exit."""
+    monkeypatch.setattr(desync_module, "collective_status", lambda: {"0": (7, 6)})  # collective #7 pending for good
+    monkeypatch.setattr(desync_module, "collective_trace", list)
+    monkeypatch.setattr(desync_module, "_training_thread_in_torch", lambda: True)
+    exits: list[int] = []
+    monkeypatch.setattr(desync_module.os, "_exit", exits.append)
+    control = FakeControl()
+    control.rank = 1  # type: ignore[misc]  # rank 0 would first wait for the others to hold the verdict
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    control.desync_error = CollectiveMismatchError("ranks diverged", name="x", missing_ranks=[])  # type: ignore[assignment]
+    monitor._verdict_at = time.monotonic() - 10.0  # its delay after the verdict has passed
+
+    def frame() -> Any:
+        return sys._getframe()
+
+    raising = [frame(), frame(), frame()]  # three frames alive at once: three places
+    seen = iter([*raising, raising[-1]])
+    monkeypatch.setattr(desync_module, "_training_thread_frame", lambda: next(seen), raising=False)
+    for _ in raising:  # a thread moving from frame to frame: not blocked, however long after the verdict
+        monitor._break_if_blocked(control.store)
+    assert exits == [] and "CollectiveMismatchError" not in capsys.readouterr().err
+    monitor._break_if_blocked(control.store)  # the same frame as at the last beat: blocked
+    assert exits == [desync_module._EXIT_CODE]
+    err = capsys.readouterr().err
+    assert "[rank1]: ddp_strategy.errors.CollectiveMismatchError: ranks diverged" in err
+    assert "blocked inside a collective" in err
 
 
 def test_reduce_adds_the_ledger_text_it_added_before_and_keeps_it_per_logged_value(monkeypatch: pytest.MonkeyPatch):

@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import CodeType, FrameType
 from typing import Any
 
 from ._compat.torch import collective_status, collective_trace
@@ -115,10 +116,20 @@ _EXIT_CODE = 1
 _TORCH_DIR = f"{os.sep}torch{os.sep}"
 
 
+def _training_thread_frame() -> FrameType | None:
+    """The main thread's innermost Python frame (``None`` once that thread is gone)."""
+    return sys._current_frames().get(threading.main_thread().ident or -1)
+
+
 def _training_thread_in_torch() -> bool:
     """Whether the main thread's innermost Python frame is torch's own code (where it blocks in a collective)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    frame = _training_thread_frame()
     return frame is not None and _TORCH_DIR in frame.f_code.co_filename
+
+
+def _frame_mark(frame: FrameType | None) -> tuple[int, CodeType, int] | None:
+    """Where ``frame`` is (its identity, code and last instruction), without keeping the frame alive."""
+    return None if frame is None else (id(frame), frame.f_code, frame.f_lasti)
 
 
 def _open(store: Store, seen: int) -> int:
@@ -185,6 +196,8 @@ class DesyncMonitor:
         self._counted_stuck = False  # whether this rank counts itself in the store's count of stuck ranks
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
         self._verdict_at: float | None = None
+        # where the training thread was at the last beat after a verdict while a collective was pending
+        self._blocked_at: tuple[int, CodeType, int] | None = None
         self._shown = False  # this rank printed the agreed error already
         self._lock = threading.Lock()
         control.forget_at_close(self.recorder.key)
@@ -458,12 +471,19 @@ class DesyncMonitor:
         its connections, so the others' collectives return with an error, and they raise the agreed error instead
         (through the strategy's launcher). Rank 0 first, because under Lightning's subprocess launcher it is the
         parent of the node's other ranks, and kills itself at once when one of them exits with an error.
+
+        Blocked means: a collective is pending and the training thread is in torch's code, in the same frame at the
+        same instruction as at the last beat (fast beats after a verdict: 0.2 s apart). A collective that returned
+        with the backend's error stays pending in the recorder; the thread that raises it, or tears down through
+        torch's code (moving the module), is somewhere else from one beat to the next, and reaches the launcher.
         """
         error = self.control.desync_error
         if error is None or self._verdict_at is None:
             return
         what, _ = self._current_wait()
-        if not what.startswith("collective "):
+        mark = _frame_mark(_training_thread_frame()) if what.startswith("collective ") else None
+        blocked, self._blocked_at = mark is not None and mark == self._blocked_at, mark
+        if not blocked:
             return
         delay = _BREAK_AFTER + 0.5 * self.control.rank
         if time.monotonic() - self._verdict_at < delay:

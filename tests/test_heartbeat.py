@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from ddp_strategy.heartbeat import Heartbeat
+from ddp_strategy.heartbeat import Heartbeat, _Wakeup
 from ddp_strategy.positions import Position
 from ddp_strategy.store_barrier import POSITION_KEY
 from tests.proc import SCRIPTS, run_script
@@ -403,3 +403,20 @@ def test_a_graceful_close_deletes_no_key_while_a_peer_heartbeat_still_reads_it(t
     assert ranks[0]["beats_in_close"] >= 5, ranks  # rank 0 beat on while rank 1 was closing
     assert [r["heartbeat_alive"] for r in ranks] == [[], []], ranks  # no beat stuck in a read of a deleted key
     assert all(r["close_seconds"] < 5 for r in ranks), ranks  # not the heartbeat's 5-s join timeout
+
+
+def test_the_heartbeat_threads_wake_up_ends_a_sleep_early_once_per_set_and_times_out_otherwise():
+    """``_Wakeup``, what the heartbeat thread sleeps on: a set before a wait ends that wait at once, two sets count
+    once, a set from another thread ends a running wait, and without a set the wait lasts its timeout."""
+    wake = _Wakeup()
+    start = time.monotonic()
+    assert wake.wait(0.05) is False and time.monotonic() - start >= 0.04  # nothing set: the whole timeout
+    wake.set()
+    wake.set()  # pending already: the same wake-up
+    assert wake.wait(5.0) is True  # at once
+    start = time.monotonic()
+    assert wake.wait(0.05) is False and time.monotonic() - start >= 0.04  # the two sets counted once
+    threading.Timer(0.05, wake.set).start()
+    start = time.monotonic()
+    assert wake.wait(5.0) is True and time.monotonic() - start < 2.0  # ended by the other thread's set
+    assert wake.wait(0) is False  # taken by the wait it ended

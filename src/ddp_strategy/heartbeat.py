@@ -31,6 +31,7 @@ waits for its peers to read it (:meth:`Heartbeat.await_failure_seen`). Intervals
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -95,6 +96,29 @@ def failures_published(store: Store) -> int:
     return int(store.add(_FAILURES_KEY, 0))
 
 
+class _Wakeup:
+    """What the heartbeat thread sleeps on between beats: :meth:`wait` ends early once :meth:`set` was called.
+
+    ``threading.Event.wait`` runs a ``Condition`` in Python, with a new lock per wait, at every wake-up (once an
+    interval, with the caches the training step left cold); here a wait is one ``acquire`` with a timeout of a lock
+    that :meth:`set` releases. A set is taken by the wait it ends, or by the next wait when none is running; sets
+    before that wait count once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held while no wake-up is pending
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep at most ``timeout`` seconds; ``True`` when a :meth:`set` ended the sleep or came before it."""
+        return self._lock.acquire(timeout=timeout)
+
+    def set(self) -> None:
+        """End the running or the next :meth:`wait` now."""
+        with contextlib.suppress(RuntimeError):  # released already: a wake-up is pending
+            self._lock.release()
+
+
 class Heartbeat:
     """Where one rank is, as it publishes it, and the threads that re-publish it and run the beat hooks.
 
@@ -155,7 +179,7 @@ class Heartbeat:
         self._failures_read = False  # whether a hook read the failure counter during this beat (read_with_failures)
         self._failures_seen = 0  # the failure count when this rank last read the first failure
         self._stop = threading.Event()
-        self._wake = threading.Event()  # wakes the heartbeat thread before its time: stop() or hand_over()
+        self._wake = _Wakeup()  # wakes the heartbeat thread before its time: stop() or hand_over()
         self._thread: threading.Thread | None = None
         # one beat at a time, on either thread; the training thread never waits for it (see `beat_if_due`)
         self._beat_lock = threading.Lock()
@@ -481,7 +505,6 @@ class Heartbeat:
         store = self._store
         while True:
             self._wake.wait(self._pause())
-            self._wake.clear()
             if self._stop.is_set():
                 return
             with self._beat_lock:

@@ -1941,3 +1941,22 @@ def test_where_a_steps_own_cpu_goes_tables_and_figures_are_the_result_files():
         f"{synced:.3f} with the `sync_dist` log; by the training thread's CPU {cpus[2]:.3f} in the new run, "
         f"{cpus[3]:.3f} pooled" in section
     )
+    ab = result("strategy_cost_ab-wakeup-lock")
+    assert ab["base"].startswith("c253cd4") and ab["head"].startswith("7ad47d1") and not ab["dirty"]
+    labels = {
+        "own": "own CPU per step, in all",
+        "training thread": "the training thread (code unchanged: the noise)",
+        "Python threads": "the strategy's Python threads",
+    }
+    for part, label in labels.items():
+        medians = [
+            f"{statistics.median(run[side]['mlp'][part] for run in ab['runs']):.1f}" for side in ("base", "head")
+        ]
+        stats = ab["analysis"]["mlp"][part]
+        ratio = f"{stats['median']:.3f} [{stats['range'][0]:.3f}, {stats['range'][1]:.3f}]"
+        assert f"| {label} | {medians[0]} | {medians[1]} | {ratio} |" in section, label
+    threads = ab["analysis"]["mlp"]["Python threads"]
+    assert threads["range"][0] < 1 < threads["range"][1]  # "has a range across 1"
+    assert f"the heartbeat thread's ratio, {threads['median']:.3f}, has a range across 1" in section
+    training = ab["analysis"]["mlp"]["training thread"]["median"]
+    assert f"moved as much ({training:.3f})" in section

@@ -1960,3 +1960,28 @@ def test_where_a_steps_own_cpu_goes_tables_and_figures_are_the_result_files():
     assert f"the heartbeat thread's ratio, {threads['median']:.3f}, has a range across 1" in section
     training = ab["analysis"]["mlp"]["training thread"]["median"]
     assert f"moved as much ({training:.3f})" in section
+    pauses = result("step_pauses-intel-wakeup-lock-e5afa0c")
+    stock = {f["round"]: f for f in pauses["fits"] if f["variant"] == "stock"}
+    safe = [f for f in pauses["fits"] if f["variant"] == "safe"]
+    for fit in safe:
+        holds, beat, dump = fit["background_holds"], fit["beats"]["MainThread"], fit["step_dumps"]["MainThread"]
+        gaps = fit["hook_gaps"]["p999_s"], stock[fit["round"]]["hook_gaps"]["p999_s"]
+        assert gaps[0] < gaps[1] and holds["over_1ms"] == holds["over_1ms_on_core"] == 0
+        cells = [str(fit["round"]), str(holds["stretches"]), str(holds["over_1ms"]), str(holds["over_1ms_wall"])]
+        cells += [str(holds["over_1ms_on_core"]), f"{holds['longest']['cpu_s'] * 1e3:.3f}"]
+        cells += [
+            f"{beat['count']} ({beat['longest_wall_s'] * 1e3:.3f} / {beat['longest_cpu_s'] * 1e3:.3f})",
+            f"{dump['count']} ({dump['longest_wall_s'] * 1e3:.3f} / {dump['longest_cpu_s'] * 1e3:.3f})",
+            f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}",
+        ]
+        assert f"| {' | '.join(cells)} |" in section, cells
+    assert [f["background_holds"]["over_1ms_wall"] for f in safe] == [0, 2]
+    wall = safe[1]["background_holds"]["longest_by_wall"]
+    assert (wall["from"], wall["to"]) == ("heartbeat.py:383", "heartbeat.py:114")
+    assert (
+        f"the longest {wall['wall_less_profiling_s'] * 1e3:.3f} ms less the profiling "
+        f"({wall['runnable_s'] * 1e3:.3f} of it runnable" in section
+    )
+    dumps = [f["step_dumps"]["MainThread"]["longest_wall_s"] for f in safe]
+    assert f"took {dumps[0] * 1e3:.3f} ms** (round 1; {dumps[1] * 1e3:.3f} in round 2)" in section
+    assert max(f["beats"]["MainThread"]["longest_wall_s"] for f in safe) < 0.00051  # "stayed under 0.51 ms"

@@ -64,7 +64,7 @@ from ddp_strategy import SafeDDPStrategy  # noqa: E402
 from ddp_strategy.collective_record import LogSites  # noqa: E402
 from ddp_strategy.desync import DesyncMonitor  # noqa: E402
 from ddp_strategy.desync_audit import RecorderAudit  # noqa: E402
-from ddp_strategy.heartbeat import Heartbeat  # noqa: E402
+from ddp_strategy.heartbeat import Heartbeat, _Wakeup  # noqa: E402
 
 WARMUP = 5
 #: DDP_STRATEGY_BENCH_NO_DESYNC=1: `SafeDDPStrategy(desync_detection=False)`, results in strategy_cost_no_desync.*
@@ -380,14 +380,17 @@ def idle_reference(stop: threading.Event) -> threading.Thread:
     """A thread that only waits, 1 s at a time, as the heartbeat thread does between beats; left out of the total.
 
     Its CPU time is what this machine charges a thread for waking once a second and nothing else: on a virtual
-    machine the wake-up from an idle or busy core is charged to the woken thread (0.2-1.5 ms per wake-up on this
-    one, where bare metal takes a few microseconds). The strategy's heartbeat thread wakes once a second (two
-    threads did before 66a1c4b), so about this figure of its CPU time is the cost of waking, not of its work.
+    machine the wake-up from an idle or busy core is charged to the woken thread (about 0.1 ms per wake-up on this
+    one in the MLP's fits, where bare metal takes a few microseconds). The strategy's heartbeat thread wakes once a
+    second (two threads did before 66a1c4b), so about this figure of its CPU time is the cost of waking, not of its
+    work. It sleeps as the heartbeat thread does (``heartbeat._Wakeup``, since 7ad47d1; ``threading.Event`` before),
+    and ends within a second of ``stop``.
     """
 
     def wait() -> None:
-        while not stop.wait(1.0):
-            pass
+        sleep = _Wakeup()
+        while not stop.is_set():
+            sleep.wait(1.0)
 
     thread = threading.Thread(target=wait, name=IDLE_REFERENCE, daemon=True)
     thread.start()

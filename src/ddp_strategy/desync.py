@@ -473,9 +473,9 @@ class DesyncMonitor:
         parent of the node's other ranks, and kills itself at once when one of them exits with an error.
 
         Blocked means: a collective is pending and the training thread is in torch's code, in the same frame at the
-        same instruction as at the last beat (fast beats after a verdict: 0.2 s apart). A collective that returned
-        with the backend's error stays pending in the recorder; the thread that raises it, or tears down through
-        torch's code (moving the module), is somewhere else from one beat to the next, and reaches the launcher.
+        same instruction as at the last beat. A collective that returned with the backend's error stays pending in
+        the recorder; the thread that raises it, or tears down through torch's code (moving the module), is
+        somewhere else from one beat to the next, and reaches the launcher.
         """
         error = self.control.desync_error
         if error is None or self._verdict_at is None:

@@ -74,6 +74,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import platform
 import re
 import select
@@ -435,6 +436,16 @@ def fake_collective_dump(
     return fake_collective_trace(before_parsing), fake_collective_status()
 
 
+def fake_collective_dump_pickled() -> bytes:
+    """``collective_dump_pickled`` of the calling thread's simulated rank: its dump as bytes."""
+    return pickle.dumps(fake_collective_dump())
+
+
+def fake_collective_dump_unpickled(pickled: bytes) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """``collective_dump_unpickled``: what :func:`fake_collective_dump_pickled` returned, read back."""
+    return pickle.loads(pickled)  # this process's own pickle
+
+
 def fake_training_thread_in_torch() -> bool:
     """``_training_thread_in_torch`` of the calling thread's simulated rank."""
     return _current_recorder().in_torch
@@ -501,6 +512,8 @@ def install_fakes() -> None:
         ("collective_status", fake_collective_status),
         ("collective_trace", fake_collective_trace),
         ("collective_dump", fake_collective_dump),
+        ("collective_dump_pickled", fake_collective_dump_pickled),
+        ("collective_dump_unpickled", fake_collective_dump_unpickled),
     ):
         if hasattr(audit, name):
             setattr(audit, name, fake)

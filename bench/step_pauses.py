@@ -22,8 +22,9 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   and CPU time, the first one (the slowest, symbols loaded) included;
 * **every heartbeat beat** (``Heartbeat._beat_once``): on which thread (the training thread runs the due beat at a
   step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time; and every
-  desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``)
-  and its parsing at the step after (``RecorderAudit.parse_fetched``);
+  desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``),
+  its unpickling at the step after (``RecorderAudit.unpickle_fetched``, since it has its own step) and its parsing
+  at the step after that (``RecorderAudit.parse_fetched``);
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
   backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
   stock against safe (what the training thread saw, the machine's own noise included).
@@ -441,6 +442,10 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     step_parse = getattr(audit_module.RecorderAudit, "parse_fetched", None)
     if step_parse is not None:
         audit_module.RecorderAudit.parse_fetched = beats.wrap(step_parse, "step parse")  # type: ignore[method-assign]
+    step_unpickle = getattr(audit_module.RecorderAudit, "unpickle_fetched", None)
+    if step_unpickle is not None:
+        unpickle = beats.wrap(step_unpickle, "step unpickle")
+        audit_module.RecorderAudit.unpickle_fetched = unpickle  # type: ignore[method-assign]
     wake_reads = getattr(heartbeat_module.Heartbeat, "_after_inline_beat", None)
     if wake_reads is not None:
         heartbeat_module.Heartbeat._after_inline_beat = beats.wrap(wake_reads, "wake reads")  # type: ignore[method-assign]
@@ -475,6 +480,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             desync_module.DesyncMonitor._dump_in_step = step_dump  # type: ignore[method-assign]
         if step_parse is not None:
             audit_module.RecorderAudit.parse_fetched = step_parse  # type: ignore[method-assign]
+        if step_unpickle is not None:
+            audit_module.RecorderAudit.unpickle_fetched = step_unpickle  # type: ignore[method-assign]
         if wake_reads is not None:
             heartbeat_module.Heartbeat._after_inline_beat = wake_reads  # type: ignore[method-assign]
     gaps = sorted(clock.gaps)
@@ -509,9 +516,11 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         },
         "garbage_collections": {"count": collections.count, "longest": collections.longest},
         "beats": beats.summary(),
-        # the audit's dumps the training thread ran at a step of their own (DesyncMonitor._dump_in_step), and their
-        # parsing at the step after (RecorderAudit.parse_fetched)
+        # the audit's dumps the training thread ran at a step of their own (DesyncMonitor._dump_in_step), their
+        # unpickling at the step after (RecorderAudit.unpickle_fetched; before, part of the dump's step) and their
+        # parsing at the step after that (RecorderAudit.parse_fetched)
         "step_dumps": beats.summary("step dump"),
+        "step_unpickles": beats.summary("step unpickle"),
         "step_parses": beats.summary("step parse"),
         # the heartbeat thread's wake-ups: what a beat on the training thread left them (the store's reads)
         "wake_reads": beats.summary("wake reads"),
@@ -631,10 +640,12 @@ def render(result: dict[str, Any]) -> list[str]:
             "",
         ]
         for row in beaten:
-            kinds = ("beats", "step_dumps", "step_parses", "wake_reads")
-            text, steps, parses, reads = (_by_thread(row.get(kind, {})) for kind in kinds)
+            kinds = ("beats", "step_dumps", "step_unpickles", "step_parses", "wake_reads")
+            text, steps, unpickles, parses, reads = (_by_thread(row.get(kind, {})) for kind in kinds)
             extra = f"; the audit's dumps at a step of their own: {steps}" if steps else ""
-            extra += f"; their parsing at the step after: {parses}" if parses else ""
+            extra += f"; their unpickling at the step after: {unpickles}" if unpickles else ""
+            after = "that" if unpickles else "the dump"
+            extra += f"; their parsing at the step after {after}: {parses}" if parses else ""
             extra += f"; the heartbeat thread's wake-ups, with the beats' store reads: {reads}" if reads else ""
             lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]

@@ -304,16 +304,17 @@ def instrument_log_sites(counters: Counters) -> Callable[[], None]:
 
 #: ``--heartbeat-parts``: the heartbeat's code timed by part on the thread named (a call on the other thread is not
 #: timed), each part with what it calls; a part indented by two spaces runs inside the one above it. While the
-#: training thread trains, it runs the beat (``Heartbeat.beat_if_due``, from ``note_step``) and the audit's dump and
-#: parsing at the steps after one: those count in ``on_train_batch_start``'s figure, not again. The heartbeat thread,
-#: waking a quarter of an interval after a beat was due, runs what the beat left it (the desync monitor's look, which
-#: reads the store), or its own beat when the training thread did not beat; the rest of its CPU is its wake-ups and
-#: its loop (:data:`HEARTBEAT_REST`).
+#: training thread trains, it runs the beat (``Heartbeat.beat_if_due``, from ``note_step``) and the audit's dump, its
+#: unpickling and its parsing at the steps after one: those count in ``on_train_batch_start``'s figure, not again.
+#: The heartbeat thread, waking a quarter of an interval after a beat was due, runs what the beat left it (the desync
+#: monitor's look, which reads the store), or its own beat when the training thread did not beat; the rest of its CPU
+#: is its wake-ups and its loop (:data:`HEARTBEAT_REST`).
 HEARTBEAT_PARTS: dict[str, tuple[str, Any, str]] = {
     "training thread: the beat (`beat_if_due`)": ("training", Heartbeat, "beat_if_due"),
     "  the position's publication (its JSON and its `set`)": ("training", Heartbeat, "publish"),
     "  the desync monitor's beat (the ledger's digest, the audit's publication)": ("training", DesyncMonitor, "beat"),
     "training thread: the audit's dump, at the step after a beat": ("training", DesyncMonitor, "_dump_in_step"),
+    "training thread: its unpickling, at the step after that": ("training", RecorderAudit, "unpickle_fetched"),
     "training thread: its parsing, at the step after that": ("training", RecorderAudit, "parse_fetched"),
     "heartbeat thread: what a beat left it (`_after_inline_beat`)": ("heartbeat", Heartbeat, "_after_inline_beat"),
     "  the desync monitor's look (`_look`)": ("heartbeat", DesyncMonitor, "_look"),

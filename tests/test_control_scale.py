@@ -461,33 +461,55 @@ def test_a_look_reads_the_next_ranks_audited_calls_in_its_one_multi_get(monkeypa
 
 
 def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(monkeypatch):
-    # the dump (about 0.8 ms with cold caches) and a beat (about 0.3 ms) in one step would pause it over 1 ms
+    # the dump (about 0.7 ms with cold caches), its unpickling (0.4), its parsing (0.8) and a beat (about 0.3 ms):
+    # any two in one step could pause it over 1 ms, so each has a step of its own
     shared = dist.HashStore()
     control = _BeatingControl(0, 2, CountingStore(shared))
     monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    recorder = monitor.recorder
     dumps: list[bool] = []
+    pieces: list[str] = []
 
-    def dump(*, wait: bool = True, background: bool = True, parse: bool = True) -> int:
+    def dump(*, background: bool = True) -> int:  # the heartbeat thread's: all of it at once
         dumps.append(background)
-        monitor.recorder._fetched = None if parse else []
         return 0
 
-    monkeypatch.setattr(monitor.recorder, "_dump", dump)
+    def fetch() -> bool:  # the training thread's: torch's dump only
+        dumps.append(False)
+        recorder._pickled = b"..."
+        return True
+
+    def unpickle() -> None:
+        pieces.append("unpickle")
+        recorder._pickled, recorder._fetched = None, []
+
+    def parse() -> None:
+        pieces.append("parse")
+        recorder._fetched = None
+
+    monkeypatch.setattr(recorder, "_dump", dump)
+    monkeypatch.setattr(recorder, "_fetch", fetch)
+    monkeypatch.setattr(recorder, "unpickle_fetched", unpickle)
+    monkeypatch.setattr(recorder, "parse_fetched", parse)
     tasks: list[Any] = []
     control.heartbeat.at_next_step = tasks.append  # type: ignore[attr-defined]
-    monitor.recorder._next = 0.0  # a dump is due
+    recorder._next = 0.0  # a dump is due
     control.heartbeat.inline = True
     monitor.beat(CountingStore(shared))
     assert dumps == [] and len(tasks) == 1  # none in the beat: one for the next step
     tasks[0]()  # that step
-    assert dumps == [False] and not monitor.recorder.dump_due()  # the training thread's dump; the next one later
-    assert tasks[1:] == [monitor.recorder.parse_fetched]  # its parsing at the step after
+    assert dumps == [False] and not recorder.dump_due()  # the training thread's dump; the next one later
+    assert tasks[1:] == [monitor._continue_in_step] and pieces == []  # the rest at the steps after
+    tasks[1]()
+    assert pieces == ["unpickle"] and tasks[2:] == [monitor._continue_in_step]
+    tasks[2]()
+    assert pieces == ["unpickle", "parse"] and len(tasks) == 3  # done: no task left
     control.heartbeat.inline = False  # on the heartbeat thread (the training thread is not stepping): in the beat
-    monitor.recorder._next = monitor._next_look = 0.0  # a dump due, and a beat that looks (once an interval)
+    recorder._next = monitor._next_look = 0.0  # a dump due, and a beat that looks (once an interval)
     monitor.beat(CountingStore(shared))
-    assert dumps == [False, True] and len(tasks) == 2
-    monitor.audit_now()  # a training epoch starts: the dump now, whatever the budget; its parsing at the next step
-    assert dumps == [False, True, False] and tasks[2:] == [monitor.recorder.parse_fetched]
+    assert dumps == [False, True] and len(tasks) == 3
+    monitor.audit_now()  # a training epoch starts: the dump now, whatever the budget; the rest at the next steps
+    assert dumps == [False, True, False] and tasks[3:] == [monitor._continue_in_step]
 
 
 @pytest.mark.parametrize("kind", ["hash", "tcp"])

@@ -201,6 +201,13 @@ class FakeRecorder:
     def dump(self, before_parsing: Callable[[], object] | None = None) -> tuple[list[dict[str, Any]], Any]:
         return self.trace(before_parsing), self.status()
 
+    def pickled(self) -> bytes:
+        """Torch's dump alone: the entries and the counters as they are now."""
+        return pickle.dumps(self.dump())
+
+    def unpickled(self, pickled: bytes) -> tuple[list[dict[str, Any]], Any]:
+        return pickle.loads(pickled)
+
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> FakeRecorder:
@@ -208,6 +215,8 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> FakeRecorder:
     monkeypatch.setattr(audit_module, "collective_status", fake.status)
     monkeypatch.setattr(audit_module, "collective_trace", fake.trace)
     monkeypatch.setattr(audit_module, "collective_dump", fake.dump)
+    monkeypatch.setattr(audit_module, "collective_dump_pickled", fake.pickled)
+    monkeypatch.setattr(audit_module, "collective_dump_unpickled", fake.unpickled)
     return fake
 
 
@@ -242,7 +251,9 @@ def test_dumps_follow_the_rate_of_calls_and_stay_within_the_cpu_budget(
     assert not audit.due()  # sampled: the budget holds the heartbeat's dumps back
     audit.dump_now()  # the training thread's dump as an epoch starts: whatever the budget
     assert not audit.due() and audit.fetched and recorder.dumps == 3
-    audit.parse_fetched()  # its next step
+    audit.continue_fetched()  # its next step: the unpickling
+    assert not audit.due() and audit.fetched
+    audit.continue_fetched()  # the step after: the parsing
     assert audit.due() and not audit.fetched  # published at the next beat
     mine = compare(audit, store)
     assert mine is None and not audit.due()
@@ -274,7 +285,10 @@ def test_a_background_dump_lets_the_gil_go_between_torchs_dump_and_its_unpicklin
     events.clear()
     audit = RecorderAudit(0, 2)
     audit.dump_now()  # the training thread's, as an epoch starts: it would only wait longer for the GIL
-    audit.parse_fetched()  # its next step
+    assert events == ["dump"]  # torch's dump alone in that step
+    audit.continue_fetched()  # its next step: the unpickling alone
+    assert events == ["dump", "unpickle"] and audit.calls.newest == {}
+    audit.continue_fetched()  # the step after: the parsing
     # and it reads the recorder's counters from its one dump (a call of their own costs a third of a dump)
     assert events == ["dump", "unpickle"] and audit.calls.newest == {"0": 1} and audit._status == {"0": (1, 1)}
 
@@ -469,39 +483,64 @@ def test_only_a_background_audit_lets_the_gil_go_around_its_dump(
     recorder.call(8)
     audit.dump_if_due(background=background)
     if not background:
-        audit.parse_fetched()  # the training thread's next step
+        audit.continue_fetched()  # the training thread's next step: the unpickling
+        audit.continue_fetched()  # and the one after: the parsing
     assert recorder.dumps == 1 and audit.calls.newest == {"0": 8}
     # before the dump, between it and its parsing, after it, and between the two chunks of 4 entries
     assert len(sleeps) == (4 if background else 0), sleeps
 
 
-def test_entries_fetched_on_the_training_thread_are_superseded_by_any_later_dump_and_their_parsing_is_budgeted(
+def test_a_training_thread_dumps_unpickles_and_parses_at_three_steps_all_budgeted_superseded_by_any_later_dump(
     recorder: FakeRecorder, monkeypatch: pytest.MonkeyPatch
 ):
-    clock = [100.0]
+    # torch's dump, its unpickling and the parsing (up to about 0.7, 0.4 and 0.8 ms with cold caches): one a step
+    clock, cpu = [100.0], [0.0]
     monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(audit_module.time, "thread_time", lambda: cpu[0])
+
+    def costs(seconds: float, work: Callable[..., Any]) -> Callable[..., Any]:
+        def costly(*args: Any) -> Any:
+            cpu[0] += seconds
+            return work(*args)
+
+        return costly
+
+    monkeypatch.setattr(audit_module, "collective_dump_pickled", costs(7e-4, recorder.pickled))
+    monkeypatch.setattr(audit_module, "collective_dump_unpickled", costs(4e-4, recorder.unpickled))
+    monkeypatch.setattr(audit_module, "calls_from_trace", costs(2e-4, audit_module.calls_from_trace))
     audit = RecorderAudit(0, 2, interval=5.0, entries=16, cpu_share=1e-4)
     clock[0] += 5.0
     recorder.call(4)
-    audit.dump_if_due(background=False)
-    assert audit.fetched and audit._next > clock[0]
-    after_dump = audit._next
-    audit.parse_fetched()  # its CPU (thread time, > 0) pushes the next dump later, as the dump's own did
-    assert audit.calls.newest == {"0": 4} and audit._next > after_dump
+    audit.dump_if_due(background=False)  # a step: torch's dump alone
+    assert audit.fetched and audit.calls.newest == {} and recorder.dumps == 1
+    assert not audit.dump_due() and audit._next == 110.0  # none due before the unpickling schedules the next
+    audit.continue_fetched()  # the next step: the unpickling, which holds the counters: the next dump's time
+    assert audit.fetched and audit.calls.newest == {}
+    assert audit._next == pytest.approx(105.0 + (7e-4 + 4e-4) / 1e-4)  # the dump's and the unpickling's CPU
+    audit.continue_fetched()  # the step after: the parsing, whose CPU pushes the next dump later too
+    assert not audit.fetched and audit.calls.newest == {"0": 4}
+    assert audit._next == pytest.approx(105.0 + (7e-4 + 4e-4 + 2e-4) / 1e-4)
     clock[0] = audit._next
     recorder.call(4)
-    audit.dump_now()  # a training epoch starts: whatever the budget, and its parsing counts in none
+    audit.dump_now()  # a training epoch starts: whatever the budget, and its work counts in none
     before = audit._next
-    audit.parse_fetched()
-    assert audit._next == before and audit.calls.newest == {"0": 8}
-    recorder.call(2)
-    audit.dump_if_due(background=False)
-    assert audit.fetched
-    recorder.call(2)
-    audit.update()  # a stage ends before the next step: its dump holds the newest entries
-    assert not audit.fetched and audit.calls.newest == {"0": 12}
-    audit.parse_fetched()  # nothing left to parse
-    assert audit.calls.newest == {"0": 12} and recorder.dumps == 4
+    audit.continue_fetched()
+    audit.continue_fetched()
+    assert audit._next == before and audit.calls.newest == {"0": 8} and recorder.dumps == 2
+    for superseding in ("update", "_dump"):  # a stage's end on the training thread; the heartbeat thread's dump
+        for unpickled in (False, True):
+            clock[0] = audit._next
+            recorder.call(2)
+            audit.dump_if_due(background=False)
+            if unpickled:
+                audit.continue_fetched()
+            assert audit.fetched
+            recorder.call(2)
+            getattr(audit, superseding)()  # its dump holds the newest entries
+            assert not audit.fetched and audit.calls.newest == {"0": recorder.entries[-1]["collective_seq_id"]}
+            audit.continue_fetched()  # nothing left
+            assert not audit.fetched
+    assert audit.calls.newest == {"0": 24} and recorder.dumps == 10
 
 
 def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_own_and_the_next_beat_publishes(
@@ -519,7 +558,9 @@ def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_ow
     assert recorder.dumps == 1 and ranks[0].dump_due()  # the beat did not dump: still due
     ranks[0].dump_if_due(background=False)  # the next training step: torch's dump only
     assert recorder.dumps == 2 and ranks[0].fetched and ranks[0].calls.newest == {}  # nothing parsed yet
-    ranks[0].parse_fetched()  # the step after it: the parsing
+    ranks[0].continue_fetched()  # the step after it: the unpickling
+    assert ranks[0].fetched and ranks[0].calls.newest == {}
+    ranks[0].continue_fetched()  # the step after that: the parsing
     assert not ranks[0].fetched and not store.check([ranks[0].key]) and ranks[0].due()  # published at the next beat
     ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the step's dump found
     assert compare(ranks[0], store, background=False) == ("0", 2) and recorder.dumps == 2

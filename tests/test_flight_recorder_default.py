@@ -72,3 +72,40 @@ def test_the_docs_give_the_strategys_ring_size_and_torchs_default():
     assert "a ring of 2000 entries on torch 2.13 and 2.14" in diagnostics
     assert f"Chosen: the ring keeps {TRACE_ENTRIES} entries (`TRACE_ENTRIES`" in architecture
     assert f"half of its {TRACE_ENTRIES} entries new" in architecture
+
+
+HALVES = """
+import json, os, tempfile
+import torch, torch.distributed as dist
+from ddp_strategy._compat.torch import collective_dump, collective_dump_pickled, collective_dump_unpickled
+path = tempfile.mkdtemp()
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(path, "store"), 1), rank=0, world_size=1)
+for _ in range(5):
+    dist.all_reduce(torch.ones(1))  # the line the stacks name
+pickled = collective_dump_pickled()  # a training thread's step: torch's dump alone
+halves = collective_dump_unpickled(pickled)  # the next step: its unpickling
+whole = collective_dump()
+def shown(dump):
+    entries, status = dump
+    return {"seqs": [e["collective_seq_id"] for e in entries], "status": status,
+            "lines": [min((f["line"] for f in e["frames"] if f["filename"] == "<string>"), default=None) for e in entries]}
+print(json.dumps({"type": type(pickled).__name__, "halves": shown(halves), "whole": shown(whole),
+                  "empty": collective_dump_unpickled(b"")}))
+dist.destroy_process_group()
+"""
+
+
+def test_torchs_dump_and_its_unpickling_apart_give_what_the_dump_gives_whole():
+    # the training thread dumps at one step and unpickles at the next (issue 30): the halves must read torch's format
+    from ddp_strategy.collective_record import TRACE_ENTRIES
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    env["TORCH_FR_BUFFER_SIZE"] = str(TRACE_ENTRIES)
+    run = run_script(["-c", HALVES], timeout=120, env=env)
+    assert run.returncode == 0, run.output[-2000:]
+    shown = json.loads(run.output.strip().splitlines()[-1])
+    assert shown["type"] == "bytes" and shown["empty"] == [[], {}]
+    assert shown["halves"] == shown["whole"]
+    assert shown["halves"]["seqs"] == [1, 2, 3, 4, 5] and shown["halves"]["status"] == {"0": [5, 5]}
+    line = next(n for n, text in enumerate(HALVES.splitlines(), 1) if "the line the stacks name" in text)
+    assert shown["halves"]["lines"] == [line] * 5  # each entry's stack names the program's own line

@@ -320,10 +320,11 @@ class DesyncMonitor:
     def _dump_in_step(self) -> None:
         """On the training thread, at a step's start after a beat there: the audit's dump that beat found due.
 
-        Its entries are parsed at the next step (:meth:`RecorderAudit.parse_fetched`): no step takes both.
+        Torch's dump only: its unpickling and its parsing come at the next two steps (:meth:`_continue_in_step`), one
+        piece a step.
         """
         self.recorder.dump_if_due(background=False)
-        self._parse_at_next_step()
+        self._continue_at_next_step()
 
     def _publish_audit(self, store: Store) -> dict[str, list[Any]] | None:
         """At a beat that looks, with an audit due: the audit's publication of new calls (``None``: none new).
@@ -336,18 +337,23 @@ class DesyncMonitor:
             self.control.heartbeat.at_next_step(self._dump_in_step)
         return self.recorder.publish(store, background=not inline)
 
-    def _parse_at_next_step(self) -> None:
+    def _continue_at_next_step(self) -> None:
         if self.recorder.fetched:
-            self.control.heartbeat.at_next_step(self.recorder.parse_fetched)
+            self.control.heartbeat.at_next_step(self._continue_in_step)
+
+    def _continue_in_step(self) -> None:
+        """At a training step's start: the next piece of its audit dump (``RecorderAudit.continue_fetched``)."""
+        self.recorder.continue_fetched()
+        self._continue_at_next_step()
 
     def update_audit(self) -> dict[str, list[Any]]:
         """Add the recorder's new calls to the audit (one dump with stacks) and return its publication."""
         return self.recorder.update()
 
     def audit_now(self) -> None:
-        """As a training epoch starts: dump the recorder now, parse at the next step (``RecorderAudit.dump_now``)."""
+        """As a training epoch starts: dump the recorder now; unpickle and parse at the next steps (``dump_now``)."""
         self.recorder.dump_now()
-        self._parse_at_next_step()
+        self._continue_at_next_step()
 
     def _ledger_differs(self, peer: dict[str, Any]) -> bool:
         """Whether the next rank's strategy collectives differ from this rank's at the count it reached.

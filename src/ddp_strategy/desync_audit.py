@@ -14,9 +14,9 @@ whole length, about 5 us per entry kept (15 us with cold caches) whatever is new
   second the audit samples them (each dump audits the newest entries) instead of taking more of the CPU;
 * while the training thread trains it runs the beats (:meth:`~ddp_strategy.heartbeat.Heartbeat.note_step`), and a
   dump due at a beat comes at the training step after it, alone
-  (:meth:`~ddp_strategy.heartbeat.Heartbeat.at_next_step`), its parsing at the step after that
-  (:meth:`RecorderAudit.parse_fetched`); the next beat publishes it. No step takes two of a beat, torch's dump and
-  the parsing.
+  (:meth:`~ddp_strategy.heartbeat.Heartbeat.at_next_step`), its unpickling at the step after that and its parsing
+  at the next (:meth:`RecorderAudit.continue_fetched`); the next beat publishes it. No step takes two of a beat,
+  torch's dump, the unpickling and the parsing.
 
 The calls each dump adds are kept (the newest :data:`~ddp_strategy.collective_record.REPORT_CALLS` per group) for
 the reports of an inquiry.
@@ -31,7 +31,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ._compat.torch import collective_dump, collective_status, collective_trace
+from ._compat.torch import (
+    collective_dump,
+    collective_dump_pickled,
+    collective_dump_unpickled,
+    collective_status,
+    collective_trace,
+)
 from .collective_record import (
     AUDIT_INTERVAL,
     TRACE_ENTRIES,
@@ -94,8 +100,10 @@ class RecorderAudit:
         self._peer_seen = False  # whether the next rank's key exists (it stays until the run's close)
         self._status: dict[str, tuple[int, int]] = {}  # the recorder's counters at the last dump
         self._unpublished = False  # a dump added calls since this rank last published its digests
+        self._pickled: bytes | None = None  # a training-thread dump, not unpickled yet
         self._fetched: list[dict[str, Any]] | None = None  # a training-thread dump's entries, not parsed yet
-        self._budgeted = False  # whether their parsing counts in the budget (a dump of dump_if_due's, not dump_now's)
+        self._budgeted = False  # whether their work counts in the budget (a dump of dump_if_due's, not dump_now's)
+        self._scheduled_at: tuple[float, float] | None = None  # (when, CPU) of such a dump, scheduled at unpickling
         self._next = time.monotonic() + interval  # the heartbeat's next dump
         self._counted = (time.monotonic(), 0)  # (when, calls recorded by then) at the heartbeat's last dump
         self._lock = threading.Lock()
@@ -108,22 +116,19 @@ class RecorderAudit:
         """Whether the next dump is due (:meth:`dump_if_due` would dump now)."""
         return time.monotonic() >= self._next
 
-    def _dump(self, *, wait: bool = True, background: bool = True, parse: bool = True) -> int | None:
+    def _dump(self, *, background: bool = True) -> int:
         """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made.
 
         On a ``background`` thread the recorder's counters are read first (a third of a dump's cost), and the GIL is
         let go (a short sleep) before torch's dump, between the dump and its unpickling, after both and between
         chunks of the parsing, so that a training thread waiting for it never waits longer than the longest of these
         parts. The training thread itself does not sleep (it would only wait longer) and dumps at once, the counters
-        with the entries: while it trains, its collectives move them. ``wait=False``: ``None`` at once when another
-        thread is dumping. ``parse=False``: the entries are kept for :meth:`parse_fetched` instead. Any dump
-        supersedes entries kept and not parsed yet (it holds the newest).
+        with the entries: while it trains, its collectives move them. Any dump supersedes a training-thread dump not
+        parsed yet (it holds the newest).
         """
-        if not self._lock.acquire(blocking=wait):
-            return None
         let_go = _let_go_of_the_gil if background else None
-        try:
-            self._fetched, self._budgeted = None, False
+        with self._lock:
+            self._drop_fetched()
             recorded: list[dict[str, Any]] = []
             if let_go:
                 status = collective_status()
@@ -136,13 +141,27 @@ class RecorderAudit:
                 self._status = status
                 if let_go:
                     let_go()
-                if parse:
-                    self._add(recorded, let_go)
-                else:
-                    self._fetched = recorded
-            return sum(enqueued for enqueued, _ in status.values())
+                self._add(recorded, let_go)
+            return _calls(status)
+
+    def _fetch(self) -> bool:
+        """On the training thread: torch's dump alone; :meth:`continue_fetched` does the rest at the next steps.
+
+        ``False`` at once, without a dump, when the heartbeat thread is dumping. Supersedes a dump not parsed yet.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._drop_fetched()
+            self._pickled = collective_dump_pickled()
+            return True
         finally:
             self._lock.release()
+
+    def _drop_fetched(self) -> None:
+        """Forget a training-thread dump not parsed yet (the lock held): a newer dump supersedes it."""
+        self._pickled = self._fetched = self._scheduled_at = None
+        self._budgeted = False
 
     def _add(self, recorded: list[dict[str, Any]], let_go: Callable[[], None] | None) -> None:
         """Parse the entries newer than those audited and add their calls (the lock held)."""
@@ -160,16 +179,49 @@ class RecorderAudit:
 
     @property
     def fetched(self) -> bool:
-        """Whether a dump's entries wait for :meth:`parse_fetched`."""
-        return self._fetched is not None
+        """Whether a training-thread dump waits for :meth:`continue_fetched`."""
+        return self._pickled is not None or self._fetched is not None
+
+    def continue_fetched(self) -> None:
+        """On the training thread, at each step after its dump (:meth:`dump_now`, ``dump_if_due(background=False)``).
+
+        The next piece of that dump's work: its unpickling (:meth:`unpickle_fetched`), then its parsing
+        (:meth:`parse_fetched`). Torch's dump, the unpickling and the parsing take up to about 0.7, 0.4 and 0.8 ms
+        of a training step with cold caches: one a step, none pauses one past 1 ms.
+        """
+        if self._pickled is not None:
+            self.unpickle_fetched()
+        else:
+            self.parse_fetched()
+
+    def unpickle_fetched(self) -> None:
+        """The unpickling of a training-thread dump (see :meth:`continue_fetched`); the next dump's time after it.
+
+        The recorder's counters come with the entries: after a budgeted dump (:meth:`dump_if_due`) the next dump is
+        scheduled here, the unpickling's CPU counted with the dump's. Nothing when the heartbeat thread is dumping
+        (its dump supersedes this one).
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            pickled, self._pickled = self._pickled, None
+            if pickled is None:
+                return
+            start = time.thread_time()
+            recorded, status = collective_dump_unpickled(pickled)
+            if status != self._status:
+                self._status, self._fetched = status, recorded
+            if self._scheduled_at is not None:
+                (when, took), self._scheduled_at = self._scheduled_at, None
+                self._schedule(when, _calls(status), took + time.thread_time() - start)
+        finally:
+            self._lock.release()
 
     def parse_fetched(self) -> None:
-        """On the training thread, at the step after its dump (:meth:`dump_now`, ``dump_if_due(background=False)``).
+        """The parsing of a training-thread dump's entries (see :meth:`continue_fetched`), once unpickled.
 
-        Torch's dump (with its unpickling) and the parsing each take up to about 0.8 ms of a training step with cold
-        caches: in two steps, neither pauses one past 1 ms. The parsing's CPU counts in the audit's budget after a
-        budgeted dump (not after :meth:`dump_now`'s). Nothing when the heartbeat thread is dumping (its dump
-        supersedes these entries).
+        Its CPU counts in the audit's budget after a budgeted dump (not after :meth:`dump_now`'s). Nothing when the
+        heartbeat thread is dumping (its dump supersedes these entries).
         """
         if not self._lock.acquire(blocking=False):
             return
@@ -198,10 +250,10 @@ class RecorderAudit:
 
         Called by the training thread as each training epoch starts (the previous epoch's last calls: its end hooks,
         its validation): once per epoch, without the pauses that let a training thread take the GIL (it is that
-        thread). The entries are parsed at its next step (:meth:`parse_fetched`), and published at the next beat
-        after that.
+        thread). Torch's dump only: the unpickling and the parsing come at its next steps (:meth:`continue_fetched`),
+        published at the next beat after them.
         """
-        self._dump(wait=False, background=False, parse=False)
+        self._fetch()
 
     def dump_if_due(self, *, background: bool = True) -> None:
         """The audit's dump when one is due; then the next one's time.
@@ -211,24 +263,29 @@ class RecorderAudit:
 
         Args:
             background: on the heartbeat thread (see :meth:`_dump`); ``False``: on the training thread, which does
-                not wait for a dump the heartbeat thread is in (it skips this one) and leaves the parsing to its next
-                step (:meth:`parse_fetched`). Published at the next beat after the parsing.
+                not wait for a dump the heartbeat thread is in (it skips this one) and leaves the unpickling and the
+                parsing to its next steps (:meth:`continue_fetched`); the next dump's time comes with the unpickling
+                (the recorder's counters are in it), no dump due meanwhile. Published at the next beat after the
+                parsing.
 
         """
         now = time.monotonic()
         if now < self._next:
             return
         start = time.thread_time()
-        calls = self._dump(wait=background, background=background, parse=background)
-        if calls is None:
-            return
-        self._budgeted = True
-        took = time.thread_time() - start
+        if background:
+            self._schedule(now, self._dump(), time.thread_time() - start)
+        elif self._fetch():
+            self._budgeted, self._scheduled_at = True, (now, time.thread_time() - start)
+            self._next = now + self.interval  # until the unpickling schedules the next dump
+
+    def _schedule(self, when: float, calls: int, took: float) -> None:
+        """Set the next dump's time after one at ``when`` that found ``calls`` recorded and took ``took`` s of CPU."""
         then, counted = self._counted
-        rate = (calls - counted) / max(now - then, 1e-3)
+        rate = (calls - counted) / max(when - then, 1e-3)
         gap = min(self.interval, self.entries / 2 / rate) if rate > 0 else self.interval
-        self._counted = (now, calls)
-        self._next = now + max(gap, took / self.cpu_share)
+        self._counted = (when, calls)
+        self._next = when + max(gap, took / self.cpu_share)
 
     def publish(self, store: Store, *, background: bool = True) -> dict[str, list[Any]] | None:
         """At a beat: audit when due (:meth:`dump_if_due`); after new calls, publish this rank's digests; them.
@@ -278,6 +335,11 @@ class RecorderAudit:
             noted = [_with_note(c, notes) for c in older]
             calls.extend(sorted(noted + [c for c in recorded if c.group == group], key=lambda c: c.seq)[-most:])
         return calls
+
+
+def _calls(status: dict[str, tuple[int, int]]) -> int:
+    """The collectives recorded in all, from the recorder's counters."""
+    return sum(enqueued for enqueued, _ in status.values())
 
 
 def _with_note(call: CollectiveCall, notes: CallNotes) -> CollectiveCall:

@@ -17,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = [
     "SHARED_DEVICE_MOST_RANKS",
     "collective_dump",
+    "collective_dump_pickled",
+    "collective_dump_unpickled",
     "collective_status",
     "collective_trace",
     "collective_trace_enabled",
@@ -273,14 +275,20 @@ _TRACE_SIZE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 def _dump_trace(before_parsing: Callable[[], object] | None = None, **options: bool) -> dict[str, Any]:
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
-    if dump is None:
-        return {}
-    pickled = dump(**options)
+    pickled = _pickled_trace(**options)
     if before_parsing is not None:
         before_parsing()
+    return _unpickled_trace(pickled)
+
+
+def _pickled_trace(**options: bool) -> bytes:
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    return b"" if dump is None else dump(**options)
+
+
+def _unpickled_trace(pickled: bytes) -> dict[str, Any]:
     # torch's own pickle of its own records (plain lists, dicts, strings and numbers), never read from a file
-    return dict(pickle.loads(pickled))
+    return dict(pickle.loads(pickled)) if pickled else {}
 
 
 @contextmanager
@@ -355,5 +363,26 @@ def collective_dump(
         The entries, oldest first, and the status per process group id.
 
     """
-    dump = _dump_trace(before_parsing, includeStackTraces=True)
+    pickled = collective_dump_pickled()
+    if before_parsing is not None:
+        before_parsing()
+    return collective_dump_unpickled(pickled)
+
+
+def collective_dump_pickled() -> bytes:
+    """The first half of :func:`collective_dump`: torch's dump with stacks, as torch returns it (a pickle).
+
+    One C++ call that keeps the GIL throughout (0.5-0.7 ms for 32 entries in a loaded training process). Empty when
+    this torch has no Flight Recorder. :func:`collective_dump_unpickled` reads it, later if need be: a training
+    thread that dumps at a step of its own unpickles at the next one, so that no step takes both.
+    """
+    return _pickled_trace(includeStackTraces=True)
+
+
+def collective_dump_unpickled(pickled: bytes) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """The second half of :func:`collective_dump`: the entries and the status in :func:`collective_dump_pickled`'s.
+
+    One ``pickle.loads`` (0.2-0.4 ms for 32 entries), the GIL kept throughout.
+    """
+    dump = _unpickled_trace(pickled)
     return list(dump.get("entries", [])), _status_of(dump)

@@ -18,8 +18,8 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   Python code only: a release inside a C-level callable (a ``functools.partial`` of ``time.sleep``) ends no
   stretch. A stretch that ran a garbage collection (``gc.callbacks``, per thread) is counted apart, and each
   stretch's wall time is kept beside its CPU;
-* **every Flight Recorder dump with stacks** (``collective_trace``, ``collective_dump``): on which thread, its wall
-  and CPU time, the first one (the slowest, symbols loaded) included;
+* **every Flight Recorder dump with stacks** (``collective_trace``, ``collective_dump``, ``collective_dump_pickled``):
+  on which thread, its wall and CPU time, the first one (the slowest, symbols loaded) included;
 * **every heartbeat beat** (``Heartbeat._beat_once``): on which thread (the training thread runs the due beat at a
   step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time; and every
   desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``),
@@ -431,6 +431,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         (module, name): getattr(module, name)
         for module, name in ((desync_module, "collective_trace"), (audit_module, "collective_trace"))
         + ((audit_module, "collective_dump"),) * hasattr(audit_module, "collective_dump")
+        # the training thread's dump at a step of its own, its unpickling at the next (since 58e246f)
+        + ((audit_module, "collective_dump_pickled"),) * hasattr(audit_module, "collective_dump_pickled")
     }
     for (module, name), dump in originals.items():
         setattr(module, name, dumps.wrap(dump))

@@ -85,10 +85,11 @@ for _ in range(5):
 pickled = collective_dump_pickled()  # a training thread's step: torch's dump alone
 halves = collective_dump_unpickled(pickled)  # the next step: its unpickling
 whole = collective_dump()
+def line(entry):
+    return min((f["line"] for f in entry["frames"] if f["filename"] == "<string>"), default=None)
 def shown(dump):
     entries, status = dump
-    return {"seqs": [e["collective_seq_id"] for e in entries], "status": status,
-            "lines": [min((f["line"] for f in e["frames"] if f["filename"] == "<string>"), default=None) for e in entries]}
+    return {"seqs": [e["collective_seq_id"] for e in entries], "status": status, "lines": [line(e) for e in entries]}
 print(json.dumps({"type": type(pickled).__name__, "halves": shown(halves), "whole": shown(whole),
                   "empty": collective_dump_unpickled(b"")}))
 dist.destroy_process_group()

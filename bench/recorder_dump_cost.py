@@ -5,12 +5,12 @@
 
 The desync audit's training-thread dump (``collective_dump_pickled``) is one C++ call that keeps the GIL: its
 longest decides whether a step that makes it pauses past 1 ms (point 2). Per ring size a fresh process (the recorder
-reads its size when the first process group is created) makes a 1-rank gloo group, fills the ring with all-reduces
-made ``--depth`` Python frames deep (a training step's stack under Lightning is about as deep), dumps once with stacks
-(the process's first such dump, which symbolises them for the first time, is reported apart), then ``--dumps`` times:
-writes ``--evict-mb`` of memory (caches cold, as after a training step's backward), dumps with stacks, evicts again,
-dumps without; and unpickles the last dump with stacks. The calling thread's CPU per call (``time.thread_time``):
-median, 99th percentile and longest. The exit code is 0 whatever the result (a measurement).
+reads its size when the first process group is created) imports Lightning (as a fit has), makes a 1-rank gloo group,
+fills the ring with all-reduces made ``--depth`` Python frames deep (a training step's stack under Lightning is about
+as deep), dumps once with stacks (the process's first such dump is reported apart), then ``--dumps`` times: writes
+``--evict-mb`` of memory (caches cold, as after a training step's backward), dumps with stacks, evicts again, dumps
+without; and unpickles the last dump with stacks. The calling thread's CPU per call (``time.thread_time``): median,
+99th percentile and longest. The exit code is 0 whatever the result (a measurement).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def _summary(seconds: list[float]) -> dict[str, float]:
 
 def worker(args: argparse.Namespace) -> None:
     """One process, one ring size: the dumps, then one JSON line of their CPU seconds."""
+    import lightning.pytorch  # noqa: F401  (as in a fit: without it the first dump with stacks took about 1 s)
     import torch
     import torch.distributed as dist
 

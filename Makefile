@@ -85,6 +85,7 @@ bench: $(STAMP)
 	$(PY) bench/consistency_cost.py
 	$(PY) bench/desync_cost.py
 	$(PY) bench/flight_recorder_cost.py
+	$(PY) bench/recorder_dump_cost.py
 	$(PY) bench/control_plane_scale.py --worlds 8,64,256,512 --label after
 	$(PY) bench/tiny_step.py
 

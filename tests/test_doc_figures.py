@@ -1985,3 +1985,73 @@ def test_where_a_steps_own_cpu_goes_tables_and_figures_are_the_result_files():
     dumps = [f["step_dumps"]["MainThread"]["longest_wall_s"] for f in safe]
     assert f"took {dumps[0] * 1e3:.3f} ms** (round 1; {dumps[1] * 1e3:.3f} in round 2)" in section
     assert max(f["beats"]["MainThread"]["longest_wall_s"] for f in safe) < 0.00051  # "stayed under 0.51 ms"
+
+
+def test_the_audits_dump_unpickling_and_parsing_at_three_steps_tables_and_figures_are_the_result_files():
+    """bench/README.md's step_pauses runs with the dump split in three steps, and recorder_dump_cost's tails."""
+    heading = "#### The audit's dump, its unpickling and its parsing at three steps"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    safe_fits: dict[str, list[dict[str, Any]]] = {}
+    for run in ("58e246f", "735b388"):
+        pauses = result(f"step_pauses-intel-dump-unpickle-{run}")
+        stock = {f["round"]: f for f in pauses["fits"] if f["variant"] == "stock"}
+        safe_fits[run] = [f for f in pauses["fits"] if f["variant"] == "safe"]
+        for fit in safe_fits[run]:
+            holds = fit["background_holds"]
+            gaps = fit["hook_gaps"]["p999_s"], stock[fit["round"]]["hook_gaps"]["p999_s"]
+            assert gaps[0] < gaps[1] and holds["over_1ms"] == holds["over_1ms_on_core"] == 0
+            cells = [f"{run}, {fit['round']}", str(holds["stretches"]), str(holds["over_1ms"])]
+            cells += [
+                str(holds["over_1ms_wall"]),
+                str(holds["over_1ms_on_core"]),
+                f"{holds['longest']['cpu_s'] * 1e3:.3f}",
+            ]
+            for kind in ("beats", "step_dumps", "step_unpickles", "step_parses"):
+                b = fit[kind]["MainThread"]
+                cells.append(f"{b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})")
+            cells.append(f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}")
+            assert f"| {' | '.join(cells)} |" in section, cells
+    every = [f for fits in safe_fits.values() for f in fits]
+    assert [f["background_holds"]["over_1ms_wall"] for f in every] == [0, 1, 0, 0]
+    wall = safe_fits["58e246f"][1]["background_holds"]["longest_by_wall"]
+    assert (
+        f"(58e246f, round 2: {wall['wall_less_profiling_s'] * 1e3:.3f} ms, {wall['runnable_s'] * 1e3:.3f} of it"
+        in section
+    )
+    unpickle = max(f["step_unpickles"]["MainThread"]["longest_wall_s"] for f in every)
+    parse = max(f["step_parses"]["MainThread"]["longest_wall_s"] for f in every)
+    assert unpickle < 1e-3 and parse < 1e-3
+    assert f"(at most {unpickle * 1e3:.3f} and {parse * 1e3:.3f} ms)" in section
+    beat_cpu = max(f["beats"]["MainThread"]["longest_cpu_s"] for f in every)
+    beat_walls = [
+        f["beats"]["MainThread"]["longest_wall_s"] for f in every if f["beats"]["MainThread"]["longest_wall_s"] > 1e-3
+    ]
+    assert f"by CPU ({beat_cpu * 1e3:.3f} ms; two over 1 ms of wall time, " in section and len(beat_walls) == 2
+    assert f"{beat_walls[0] * 1e3:.3f} and {beat_walls[1] * 1e3:.3f}, off their core" in section
+    dumps = [
+        d
+        for f in safe_fits["735b388"]
+        for d in f["dumps"]["all"]
+        if d["during_training"] and not d["thread"].startswith("ddp_strategy-")
+    ]
+    cpus = sorted(d["cpu_s"] for d in dumps)
+    assert len(dumps) == 40 and cpus[-1] > 1e-3 > cpus[-2]  # one over 1 ms of CPU
+    assert f"one took {cpus[-1] * 1e3:.3f} ms of CPU" in section
+    assert f"the others at most {cpus[-2] * 1e3:.3f} ms (median {statistics.median(cpus) * 1e3:.3f})" in section
+    walled = [d for d in dumps if d["wall_s"] > 1e-3 and d["cpu_s"] < 1e-3]
+    assert len(walled) == 1 and f"took {walled[0]['wall_s'] * 1e3:.3f} ms of wall time, off its core" in section
+    costs = [result(f"recorder_dump_cost-{name}") for name in ("b0a1d77", "b0a1d77-2")]
+    longest: dict[int, list[float]] = {}
+    for entries in (8, 16, 32):
+        rows = [next(r for r in cost["rows"] if r["entries"] == entries) for cost in costs]
+        assert all(r["entries_dumped"] == entries for r in rows) and costs[0]["dumps"] == costs[1]["dumps"] == 200
+        cells = [
+            " / ".join(f"{row[kind][stat] * 1e3:.3f}" for stat in ("median_s", "p99_s", "max_s"))
+            for kind in ("with_stacks", "without_stacks")
+            for row in rows
+        ]
+        assert f"| {entries} | {' | '.join(cells)} |" in section, entries
+        longest[entries] = [row["with_stacks"]["max_s"] for row in rows]
+    assert min(longest[16]) > 1e-3 > max(longest[8])  # "crossed 1 ms in both runs"; "stayed under"
+    assert f"({longest[16][0] * 1e3:.3f} and {longest[16][1] * 1e3:.3f} ms); at 8 entries it stayed under " in section
+    assert f"stayed under {max(longest[8]) * 1e3:.3f} ms" in section

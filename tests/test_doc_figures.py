@@ -1993,7 +1993,7 @@ def test_the_audits_dump_unpickling_and_parsing_at_three_steps_tables_and_figure
     section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
     safe_fits: dict[str, list[dict[str, Any]]] = {}
     for run in ("58e246f", "735b388"):
-        pauses = result(f"step_pauses-intel-dump-unpickle-{run}")
+        pauses = result(f"step_pauses-dump-unpickle-{run}")
         stock = {f["round"]: f for f in pauses["fits"] if f["variant"] == "stock"}
         safe_fits[run] = [f for f in pauses["fits"] if f["variant"] == "safe"]
         for fit in safe_fits[run]:
@@ -2055,3 +2055,49 @@ def test_the_audits_dump_unpickling_and_parsing_at_three_steps_tables_and_figure
     assert min(longest[16]) > 1e-3 > max(longest[8])  # "crossed 1 ms in both runs"; "stayed under"
     assert f"({longest[16][0] * 1e3:.3f} and {longest[16][1] * 1e3:.3f} ms); at 8 entries it stayed under " in section
     assert f"stayed under {max(longest[8]) * 1e3:.3f} ms" in section
+
+
+def test_the_tiny_step_runs_with_the_dump_in_three_steps_are_the_result_files():
+    """bench/README.md's three tiny-step runs at 3fa24ab, their pool, and the figures under the table."""
+    heading = "#### The tiny-model step with the dump in three steps"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    runs = {
+        "`split-1`": "tiny_step-split-1-3fa24ab",
+        "`split-2`": "tiny_step-split-2-3fa24ab",
+        "`split-3`": "tiny_step-split-3-3fa24ab",
+        "pooled, 30 rounds": "tiny_step-pooled-split-3-runs-3fa24ab",
+    }
+    commits = [result(name)["meta"]["git"] for name in list(runs.values())[:-1]]
+    assert commits == ["commit 3fa24ab", "commit f100e70", "commit 9f1d804"]  # one src/: later commits added results
+    assert all(
+        result(name)["config"]["bare_kwargs"] == {"desync_detection": False} for name in list(runs.values())[:-1]
+    )
+    pool, nolog = _assert_pooled_runs(section, runs, "(30 rounds): ")
+    synced = _ratio_row(pool, "sync_dist", "safe / stock")
+    assert nolog["step_mean_s"]["of_medians"] <= 1.02 and synced["step_mean_s"]["of_medians"] <= 1.02
+    assert nolog["cpu_step_s"]["of_medians"] <= 1.02 and synced["cpu_step_s"]["of_medians"] <= 1.02
+    assert (
+        f"{synced['step_mean_s']['of_medians']:.3f} with the `sync_dist` log; by the training thread's CPU too, "
+        f"{nolog['cpu_step_s']['of_medians']:.3f} without logging and {synced['cpu_step_s']['of_medians']:.3f} with it"
+        in section
+    )
+    cpus = [
+        _ratio_row(result(n), "nolog", "safe / stock")["cpu_step_s"]["of_medians"] for n in list(runs.values())[:-1]
+    ]
+    assert f"(by run {cpus[0]:.3f}, {cpus[1]:.3f} and {cpus[2]:.3f} without logging)" in section
+    before = _ratio_row(result("tiny_step-intel-pooled-wake-reads-3-runs"), "nolog", "safe / stock")
+    assert f"The pool at f950971 had {before['cpu_step_s']['of_medians']:.3f} by CPU" in section
+    own = pool["analysis"]["own_cpu_per_step"]["nolog"]
+    total, threads = own["total_s"], own["own_threads_s"]["median"]
+    assert (
+        f"costs safe {total['median'] * 1e6:.0f} us of CPU more than stock's at the median of the 30 paired rounds "
+        f"without logging ([{total['min'] * 1e6:.0f}, {total['max'] * 1e6:.0f}]" in section
+    )
+    assert f"the strategy's own threads {threads * 1e6:.1f} of it" in section
+    value = pool["analysis"]["per_sync_dist_value"]
+    low, high = value["interval_s"]
+    assert value["cpu_added_s"]["median"] < 0 and high < 0  # cheaper than stock's
+    assert (
+        f"costs safe's training thread {-value['cpu_added_s']['median'] * 1e6:.0f} us less than stock's (90% "
+        f"interval of the median [{low * 1e6:.0f}, {high * 1e6:.0f}])" in section
+    )

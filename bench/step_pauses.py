@@ -23,8 +23,8 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
 * **every heartbeat beat** (``Heartbeat._beat_once``): on which thread (the training thread runs the due beat at a
   step's start while it trains; the heartbeat thread beats when it does not), its wall and CPU time; and every
   desync audit's dump the training thread runs at a step of its own after a beat (``DesyncMonitor._dump_in_step``),
-  its unpickling at the step after (``RecorderAudit.unpickle_fetched``, since it has its own step) and its parsing
-  at the step after that (``RecorderAudit.parse_fetched``);
+  its unpickling at the step after (``RecorderAudit._unpickle_fetched``, since it has its own step) and its parsing
+  at the step after that (``RecorderAudit._parse_fetched``; ``BEAT_PARTS``);
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
   backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
   stock against safe (what the training thread saw, the machine's own noise included).
@@ -420,6 +420,17 @@ class Phase(Callback):
         self.holds.recording = self.dumps.training = self.collections.recording = self.beats.training = False
 
 
+#: The heartbeat's work timed by :class:`Beats`: (kind, class, its method's names, newest first: the first the package
+#: code has is timed, so that an older ``src/`` runs too).
+BEAT_PARTS: tuple[tuple[str, type, tuple[str, ...]], ...] = (
+    ("beat", heartbeat_module.Heartbeat, ("_beat_once",)),
+    ("step dump", desync_module.DesyncMonitor, ("_dump_in_step",)),
+    ("step unpickle", audit_module.RecorderAudit, ("_unpickle_fetched", "unpickle_fetched")),
+    ("step parse", audit_module.RecorderAudit, ("_parse_fetched", "parse_fetched")),
+    ("wake reads", heartbeat_module.Heartbeat, ("_after_inline_beat",)),
+)
+
+
 def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> dict[str, Any]:
     torch.manual_seed(0)
     clock = HookClock(warmup)
@@ -436,21 +447,12 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     }
     for (module, name), dump in originals.items():
         setattr(module, name, dumps.wrap(dump))
-    beat_once = heartbeat_module.Heartbeat._beat_once
-    heartbeat_module.Heartbeat._beat_once = beats.wrap(beat_once)  # type: ignore[method-assign]
-    step_dump = getattr(desync_module.DesyncMonitor, "_dump_in_step", None)
-    if step_dump is not None:
-        desync_module.DesyncMonitor._dump_in_step = beats.wrap(step_dump, "step dump")  # type: ignore[method-assign]
-    step_parse = getattr(audit_module.RecorderAudit, "parse_fetched", None)
-    if step_parse is not None:
-        audit_module.RecorderAudit.parse_fetched = beats.wrap(step_parse, "step parse")  # type: ignore[method-assign]
-    step_unpickle = getattr(audit_module.RecorderAudit, "unpickle_fetched", None)
-    if step_unpickle is not None:
-        unpickle = beats.wrap(step_unpickle, "step unpickle")
-        audit_module.RecorderAudit.unpickle_fetched = unpickle  # type: ignore[method-assign]
-    wake_reads = getattr(heartbeat_module.Heartbeat, "_after_inline_beat", None)
-    if wake_reads is not None:
-        heartbeat_module.Heartbeat._after_inline_beat = beats.wrap(wake_reads, "wake reads")  # type: ignore[method-assign]
+    timed = {}  # (class, method name): the method, for each part of BEAT_PARTS this package code has
+    for kind, owner, names in BEAT_PARTS:
+        name = next((n for n in names if hasattr(owner, n)), None)
+        if name is not None:
+            timed[owner, name] = getattr(owner, name)
+            setattr(owner, name, beats.wrap(timed[owner, name], kind))
     data = TensorDataset(torch.randn(BATCH * 2 * BATCHES_PER_EPOCH, WIDTH))
     gc.callbacks.append(collections.callback)
     threading.setprofile(holds.profile)
@@ -477,15 +479,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         gc.callbacks.remove(collections.callback)
         for (module, name), dump in originals.items():
             setattr(module, name, dump)
-        heartbeat_module.Heartbeat._beat_once = beat_once  # type: ignore[method-assign]
-        if step_dump is not None:
-            desync_module.DesyncMonitor._dump_in_step = step_dump  # type: ignore[method-assign]
-        if step_parse is not None:
-            audit_module.RecorderAudit.parse_fetched = step_parse  # type: ignore[method-assign]
-        if step_unpickle is not None:
-            audit_module.RecorderAudit.unpickle_fetched = step_unpickle  # type: ignore[method-assign]
-        if wake_reads is not None:
-            heartbeat_module.Heartbeat._after_inline_beat = wake_reads  # type: ignore[method-assign]
+        for (owner, name), method in timed.items():
+            setattr(owner, name, method)
     gaps = sorted(clock.gaps)
     in_training = [d for d in dumps.calls if d["during_training"]]
     background = [d for d in in_training if d["thread"].startswith("ddp_strategy-")]
@@ -519,8 +514,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
         "garbage_collections": {"count": collections.count, "longest": collections.longest},
         "beats": beats.summary(),
         # the audit's dumps the training thread ran at a step of their own (DesyncMonitor._dump_in_step), their
-        # unpickling at the step after (RecorderAudit.unpickle_fetched; before, part of the dump's step) and their
-        # parsing at the step after that (RecorderAudit.parse_fetched)
+        # unpickling at the step after (RecorderAudit._unpickle_fetched; before, part of the dump's step) and their
+        # parsing at the step after that (RecorderAudit._parse_fetched)
         "step_dumps": beats.summary("step dump"),
         "step_unpickles": beats.summary("step unpickle"),
         "step_parses": beats.summary("step parse"),

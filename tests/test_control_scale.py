@@ -479,18 +479,18 @@ def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(m
         recorder._pickled = b"..."
         return True
 
-    def unpickle() -> None:
+    def unpickle(pickled: bytes) -> None:
         pieces.append("unpickle")
         recorder._pickled, recorder._fetched = None, []
 
-    def parse() -> None:
+    def parse(fetched: list[Any]) -> None:
         pieces.append("parse")
         recorder._fetched = None
 
     monkeypatch.setattr(recorder, "_dump", dump)
     monkeypatch.setattr(recorder, "_fetch", fetch)
-    monkeypatch.setattr(recorder, "unpickle_fetched", unpickle)
-    monkeypatch.setattr(recorder, "parse_fetched", parse)
+    monkeypatch.setattr(recorder, "_unpickle_fetched", unpickle)
+    monkeypatch.setattr(recorder, "_parse_fetched", parse)
     tasks: list[Any] = []
     control.heartbeat.at_next_step = tasks.append  # type: ignore[attr-defined]
     recorder._next = 0.0  # a dump is due

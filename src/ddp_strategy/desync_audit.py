@@ -185,56 +185,46 @@ class RecorderAudit:
     def continue_fetched(self) -> None:
         """On the training thread, at each step after its dump (:meth:`dump_now`, ``dump_if_due(background=False)``).
 
-        The next piece of that dump's work: its unpickling (:meth:`unpickle_fetched`), then its parsing
-        (:meth:`parse_fetched`). Torch's dump, the unpickling and the parsing take up to about 0.7, 0.4 and 0.8 ms
-        of a training step with cold caches: one a step, none pauses one past 1 ms.
-        """
-        if self._pickled is not None:
-            self.unpickle_fetched()
-        else:
-            self.parse_fetched()
-
-    def unpickle_fetched(self) -> None:
-        """The unpickling of a training-thread dump (see :meth:`continue_fetched`); the next dump's time after it.
-
-        The recorder's counters come with the entries: after a budgeted dump (:meth:`dump_if_due`) the next dump is
-        scheduled here, the unpickling's CPU counted with the dump's. Nothing when the heartbeat thread is dumping
-        (its dump supersedes this one).
+        The next piece of that dump's work: its unpickling (:meth:`_unpickle_fetched`), then its parsing
+        (:meth:`_parse_fetched`), one a step: with cold caches torch's dump takes about 0.5 ms of a step, the
+        unpickling 0.2 and the parsing 0.6 (``bench/results/step_pauses-dump-unpickle-*``). Nothing when the heartbeat
+        thread is dumping (its dump supersedes this one).
         """
         if not self._lock.acquire(blocking=False):
             return
         try:
-            pickled, self._pickled = self._pickled, None
-            if pickled is None:
-                return
-            start = time.thread_time()
-            recorded, status = collective_dump_unpickled(pickled)
-            if status != self._status:
-                self._status, self._fetched = status, recorded
-            if self._scheduled_at is not None:
-                (when, took), self._scheduled_at = self._scheduled_at, None
-                self._schedule(when, _calls(status), took + time.thread_time() - start)
+            if self._pickled is not None:
+                self._unpickle_fetched(self._pickled)
+            elif self._fetched is not None:
+                self._parse_fetched(self._fetched)
         finally:
             self._lock.release()
 
-    def parse_fetched(self) -> None:
-        """The parsing of a training-thread dump's entries (see :meth:`continue_fetched`), once unpickled.
+    def _unpickle_fetched(self, pickled: bytes) -> None:
+        """Unpickle a training-thread dump (the lock held); after a budgeted one, schedule the next dump.
 
-        Its CPU counts in the audit's budget after a budgeted dump (not after :meth:`dump_now`'s). Nothing when the
-        heartbeat thread is dumping (its dump supersedes these entries).
+        The recorder's counters come with the entries: the next dump's time is set here (:meth:`dump_if_due`), the
+        unpickling's CPU counted with the dump's.
         """
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            fetched, self._fetched = self._fetched, None
-            if fetched is None:
-                return
-            start = time.thread_time()
-            self._add(fetched, None)
-            if self._budgeted:
-                self._next += (time.thread_time() - start) / self.cpu_share
-        finally:
-            self._lock.release()
+        start = time.thread_time()
+        self._pickled = None
+        recorded, status = collective_dump_unpickled(pickled)
+        if status != self._status:
+            self._status, self._fetched = status, recorded
+        if self._scheduled_at is not None:
+            (when, took), self._scheduled_at = self._scheduled_at, None
+            self._schedule(when, _calls(status), took + time.thread_time() - start)
+
+    def _parse_fetched(self, fetched: list[dict[str, Any]]) -> None:
+        """Parse a training-thread dump's entries (the lock held).
+
+        Their CPU counts in the budget after a budgeted dump (not after :meth:`dump_now`'s).
+        """
+        start = time.thread_time()
+        self._fetched = None
+        self._add(fetched, None)
+        if self._budgeted:
+            self._next += (time.thread_time() - start) / self.cpu_share
 
     def update(self) -> dict[str, list[Any]]:
         """Add the recorder's new calls now and return this rank's publication (published at the next beat).

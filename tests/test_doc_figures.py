@@ -2101,3 +2101,35 @@ def test_the_tiny_step_runs_with_the_dump_in_three_steps_are_the_result_files():
         f"costs safe's training thread {-value['cpu_added_s']['median'] * 1e6:.0f} us less than stock's (90% "
         f"interval of the median [{low * 1e6:.0f}, {high * 1e6:.0f}])" in section
     )
+
+
+def test_the_heartbeat_by_part_with_the_dump_in_three_steps_is_the_result_file():
+    """bench/README.md's strategy_cost run at ce1527e beside the earlier one (figures from both result files)."""
+    heading = "#### The audit's dump, its unpickling and its parsing at three steps"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    now = {w["workload"]: w for w in result("strategy_cost-heartbeat-three-steps-ce1527e")["workloads"]}
+    before = {w["workload"]: w for w in result("strategy_cost-heartbeat-both-threads")["workloads"]}
+    assert now["mlp"]["steps"] == now["cifar"]["steps"] == 120
+    assert (
+        f"own CPU per step {now['mlp']['own_cpu_per_step_s'] * 1e6:.1f} us on the MLP and "
+        f"{now['cifar']['own_cpu_per_step_s'] * 1e6:.1f} on the CIFAR model "
+        f"({before['mlp']['own_cpu_per_step_s'] * 1e6:.1f} and {before['cifar']['own_cpu_per_step_s'] * 1e6:.1f}"
+        in section
+    )
+    parts = now["mlp"]["heartbeat_parts"]
+    labels = [
+        "training thread: the audit's dump, at the step after a beat",
+        "training thread: its unpickling, at the step after that",
+        "training thread: its parsing, at the step after that",
+    ]
+    pieces = ", ".join(f"{parts['cpu_per_step_s'][label] * 1e6:.1f}" for label in labels[:2])
+    assert f"pieces {pieces} and {parts['cpu_per_step_s'][labels[2]] * 1e6:.1f} us per MLP step" in section
+    assert [parts["calls_in_window"][label] for label in labels] == [2, 2, 2]
+    look, rest = "  the desync monitor's look (`_look`)", "heartbeat thread: the rest (wake-ups and the loop)"
+    old = before["mlp"]["heartbeat_parts"]["cpu_per_step_s"]
+    new = parts["cpu_per_step_s"]
+    assert f"the heartbeat thread's look ({new[look] * 1e6:.1f} against {old[look] * 1e6:.1f})" in section
+    assert f"and its rest ({new[rest] * 1e6:.1f} against {old[rest] * 1e6:.1f})" in section
+    shared = [label for label in old if label in new]
+    assert all(new[label] > old[label] for label in shared if old[label] > 0)  # "every part is higher"
+    assert now["mlp"]["own_cpu_per_step_s"] > 50e-6  # "point 1's figure is not met"

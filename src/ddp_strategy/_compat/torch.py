@@ -372,9 +372,10 @@ def collective_dump(
 def collective_dump_pickled() -> bytes:
     """The first half of :func:`collective_dump`: torch's dump with stacks, as torch returns it (a pickle).
 
-    One C++ call that keeps the GIL throughout (0.5-0.7 ms for 32 entries in a loaded training process). Empty when
-    this torch has no Flight Recorder. :func:`collective_dump_unpickled` reads it, later if need be: a training
-    thread that dumps at a step of its own unpickles at the next one, so that no step takes both.
+    One C++ call that keeps the GIL throughout (about 0.5 ms for 16 entries with cold caches, now and then over 1 ms:
+    ``bench/results/recorder_dump_cost-*``). Empty when this torch has no Flight Recorder.
+    :func:`collective_dump_unpickled` reads it, later if need be: a training thread that dumps at a step of its own
+    unpickles at the next one, so that no step takes both.
     """
     return _pickled_trace(includeStackTraces=True)
 
@@ -382,7 +383,7 @@ def collective_dump_pickled() -> bytes:
 def collective_dump_unpickled(pickled: bytes) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
     """The second half of :func:`collective_dump`: the entries and the status in :func:`collective_dump_pickled`'s.
 
-    One ``pickle.loads`` (0.2-0.4 ms for 32 entries), the GIL kept throughout.
+    One ``pickle.loads`` (0.1-0.3 ms for 16 entries in a training process), the GIL kept throughout.
     """
     dump = _unpickled_trace(pickled)
     return list(dump.get("entries", [])), _status_of(dump)

@@ -2133,3 +2133,49 @@ def test_the_heartbeat_by_part_with_the_dump_in_three_steps_is_the_result_file()
     shared = [label for label in old if label in new]
     assert all(new[label] > old[label] for label in shared if old[label] > 0)  # "every part is higher"
     assert now["mlp"]["own_cpu_per_step_s"] > 50e-6  # "point 1's figure is not met"
+
+
+def test_the_third_step_pauses_run_with_the_dump_in_three_steps_is_the_result_file():
+    """bench/README.md's step_pauses run at 1d38bd0: its rows and the misses named under them."""
+    heading = "#### The audit's dump, its unpickling and its parsing at three steps"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    pauses = result("step_pauses-dump-unpickle-1d38bd0")
+    stock = {f["round"]: f for f in pauses["fits"] if f["variant"] == "stock"}
+    safe = [f for f in pauses["fits"] if f["variant"] == "safe"]
+    for fit in safe:
+        holds = fit["background_holds"]
+        gaps = fit["hook_gaps"]["p999_s"], stock[fit["round"]]["hook_gaps"]["p999_s"]
+        cells = [f"1d38bd0, {fit['round']}", str(holds["stretches"]), str(holds["over_1ms"])]
+        cells += [str(holds["over_1ms_wall"]), str(holds["over_1ms_on_core"]), f"{holds['longest']['cpu_s'] * 1e3:.3f}"]
+        for kind in ("beats", "step_dumps", "step_unpickles", "step_parses"):
+            b = fit[kind]["MainThread"]
+            cells.append(f"{b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})")
+        cells.append(f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}")
+        assert f"| {' | '.join(cells)} |" in section, cells
+    longest = safe[1]["background_holds"]["longest"]
+    assert [f["background_holds"]["over_1ms_on_core"] for f in safe] == [0, 1]
+    assert (longest["from"], longest["to"], longest["garbage_collection"]) == (
+        "heartbeat.py:383",
+        "heartbeat.py:114",
+        False,
+    )
+    assert f"one stretch of the heartbeat thread took {longest['cpu_s'] * 1e3:.3f} ms of CPU (round 2;" in section
+    earlier = [
+        f["background_holds"]["longest"]["cpu_s"]
+        for run in ("58e246f", "735b388")
+        for f in result(f"step_pauses-dump-unpickle-{run}")["fits"]
+        if f["variant"] == "safe"
+    ]
+    assert f"at most {max(earlier) * 1e3:.2f} ms in the four fits above" in section
+    over = sorted(
+        d["cpu_s"]
+        for f in safe
+        for d in f["dumps"]["all"]
+        if d["during_training"] and not d["thread"].startswith("ddp_strategy-") and d["cpu_s"] > 1e-3
+    )
+    assert len(over) == 3
+    assert f"({over[0] * 1e3:.3f}, {over[1] * 1e3:.3f} and {over[2] * 1e3:.3f} ms)" in section
+    above = [f["round"] for f in safe if f["hook_gaps"]["p999_s"] > stock[f["round"]]["hook_gaps"]["p999_s"]]
+    assert above == [1]
+    first = safe[0]["hook_gaps"]["p999_s"], stock[1]["hook_gaps"]["p999_s"]
+    assert f"above stock's in round 1 ({first[0] * 1e3:.3f} against {first[1] * 1e3:.3f} ms)" in section

@@ -460,6 +460,38 @@ def test_a_look_reads_the_next_ranks_audited_calls_in_its_one_multi_get(monkeypa
     assert opened == [1] and monitor._audit_inquired == {("0", 2)}  # call #2 differs: an inquiry, once
 
 
+def test_a_look_lets_the_gil_go_between_the_ledgers_comparison_and_the_audits(monkeypatch):
+    # the look's Python after its read (the next rank's position and audit publication decoded and compared) once
+    # held the GIL for 1.133 ms of CPU on the heartbeat thread (bench/results/step_pauses-dump-unpickle-1d38bd0):
+    # a short sleep between the two comparisons lets a waiting training thread take the GIL; a look without an
+    # audit to compare does not sleep
+    from ddp_strategy import desync as desync_module
+
+    shared = dist.HashStore()
+    store = CountingStore(shared)
+    control = _BeatingControl(0, 2, store)
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    order: list[str] = []
+    monkeypatch.setattr(desync_module, "let_go_of_the_gil", lambda: order.append("let go"))
+    ledger_differs = monitor._ledger_differs
+    monkeypatch.setattr(monitor, "_ledger_differs", lambda peer: order.append("ledger") or ledger_differs(peer))
+    compare = monitor.recorder.compare_with_peer
+    monkeypatch.setattr(
+        monitor.recorder, "compare_with_peer", lambda mine, peer: order.append("audit") or compare(mine, peer)
+    )
+    mine = {"0": [1, array.array("I", [7]).tobytes().hex()]}
+    shared.set("pos/1", json.dumps({"calls": 0, "digest": 0}))  # rank 1's heartbeat
+    shared.set(monitor.recorder.peer_key, json.dumps(mine))  # rank 1 audited the same call
+    monkeypatch.setattr(monitor.recorder, "publish", lambda store, background: mine)
+    for due, expected in ((True, ["ledger", "let go", "audit"]), (False, ["ledger"])):
+        monkeypatch.setattr(monitor.recorder, "due", lambda due=due: due)
+        order.clear()
+        monitor._next_look = 0.0  # a beat that looks
+        monitor.beat(store)
+        assert order == expected
+    assert monitor._audit_inquired == set() and control.desync_error is None  # the same call: nothing to ask
+
+
 def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(monkeypatch):
     # the dump (about 0.7 ms with cold caches), its unpickling (0.4), its parsing (0.8) and a beat (about 0.3 ms):
     # any two in one step could pause it over 1 ms, so each has a step of its own

@@ -475,7 +475,7 @@ def test_only_a_background_audit_lets_the_gil_go_around_its_dump(
     # on the heartbeat thread the dump lets a training thread take the GIL around its parts; in a beat on the training
     # thread (Heartbeat.inline) those sleeps would only make that thread wait longer
     sleeps: list[float] = []
-    monkeypatch.setattr(audit_module, "_let_go_of_the_gil", lambda: sleeps.append(1.0))
+    monkeypatch.setattr(audit_module, "let_go_of_the_gil", lambda: sleeps.append(1.0))
     clock = [100.0]
     monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
     audit = RecorderAudit(0, 2, interval=5.0, entries=16, cpu_share=1.0)

@@ -39,12 +39,12 @@ __all__ = [
 ]
 
 #: Collectives the Flight Recorder keeps (its ring buffer; torch's default is 2000), unless the user set
-#: ``TORCH_FR_BUFFER_SIZE``. A dump holds the GIL for its whole length, in proportion to the entries: with 32 it
-#: took 0.45-0.7 ms of CPU in a loaded training process, and its stretch up to 1.06 ms
-#: (bench/results/step_pauses-intel-sched-97770d8.json); by hand, 16 take half. The audit's coverage inside training
-#: steps per CPU second is the same at any size (it dumps as often as its CPU budget allows); its reads as epochs
-#: start and stages end see the last 16 calls; an inquiry's report adds the calls earlier audits kept (REPORT_CALLS).
-TRACE_ENTRIES = 16
+#: ``TORCH_FR_BUFFER_SIZE``. A dump holds the GIL for its whole length, in proportion to the entries, with a tail
+#: (cold caches) that crossed 1 ms of CPU at 16 entries and not at 8 (bench/results/recorder_dump_cost-b0a1d77*: the
+#: longest of 200 dumps 1.33 and 1.09 ms at 16, 0.73 and 0.64 ms at 8). The audit's coverage inside training steps
+#: per CPU second is the same at any size (it dumps as often as its CPU budget allows); its reads as epochs start and
+#: stages end see the last 8 calls; an inquiry's report adds the calls earlier audits kept (REPORT_CALLS).
+TRACE_ENTRIES = 8
 #: Collectives per process group a rank puts in its report (the newest): the recorder's, and those its audits kept.
 REPORT_CALLS = 256
 #: Seconds between two audits of a rank's recorded collectives (see :class:`CallAudit`), while it makes any.

@@ -3,7 +3,7 @@
 DDP is correct only when every rank makes the same collective calls in the same order. torch's Flight Recorder
 (:func:`~ddp_strategy._compat.torch.collective_trace`) numbers every collective of every process group per rank
 and keeps its op, tensor sizes and Python stack, for gloo as for NCCL. torch runs it by default (2000 entries); the
-strategy keeps 16 (a dump costs in proportion to the entries), and :class:`DesyncMonitor`, at each rank's heartbeat
+strategy keeps 8 (a dump costs in proportion to the entries), and :class:`DesyncMonitor`, at each rank's heartbeat
 (on the heartbeat thread, or on the training thread while it trains: :mod:`ddp_strategy.heartbeat`), uses it in two
 steps:
 
@@ -62,7 +62,7 @@ from .collective_record import (
     calls_from_trace,
 )
 from .control import ControlPlane, Store
-from .desync_audit import RecorderAudit
+from .desync_audit import RecorderAudit, let_go_of_the_gil
 from .desync_exit import HOLDING_KEY, RANK0_STOPPING_KEY, await_rank0, poll_pause, rank0_stopping
 from .desync_verdict import (
     INCOMPLETE,
@@ -311,7 +311,12 @@ class DesyncMonitor:
             self._ledger_inquired = True  # once: the verdict names it, or the calls are too old to be named
             self._answer(store, _open(store, inquiry))
             return
-        difference = self.recorder.compare_with_peer(mine, values[-1]) if mine is not None and audit else None
+        if mine is None or not audit:
+            return
+        # the audit's decoding and comparison in a hold of the GIL apart from the read's and the ledger's: after the
+        # heartbeat thread slept an interval, its caches are cold and all of it at once once took over 1 ms
+        let_go_of_the_gil()
+        difference = self.recorder.compare_with_peer(mine, values[-1])
         if difference is not None and difference not in self._audit_inquired:
             self._audit_inquired.add(difference)  # once per call: the verdict names it
             self._answer(store, _open(store, inquiry))

@@ -49,7 +49,7 @@ from .collective_record import (
 )
 from .store import Store
 
-__all__ = ["AUDIT_CPU_SHARE", "RecorderAudit"]
+__all__ = ["AUDIT_CPU_SHARE", "RecorderAudit", "let_go_of_the_gil"]
 
 #: The share of one CPU the audit's dumps may take on average (1e-4: 100 us per second).
 AUDIT_CPU_SHARE = 1e-4
@@ -58,7 +58,7 @@ _PARSED_AT_ONCE = 4  # entries parsed between two short sleeps (the GIL let go):
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 
 
-def _let_go_of_the_gil() -> None:
+def let_go_of_the_gil() -> None:
     """A short sleep: a training thread waiting for the GIL takes it meanwhile.
 
     A plain function, not a ``partial``: ``bench/step_pauses.py``'s profile function sees its ``sleep`` call.
@@ -126,7 +126,7 @@ class RecorderAudit:
         with the entries: while it trains, its collectives move them. Any dump supersedes a training-thread dump not
         parsed yet (it holds the newest).
         """
-        let_go = _let_go_of_the_gil if background else None
+        let_go = let_go_of_the_gil if background else None
         with self._lock:
             self._drop_fetched()
             recorded: list[dict[str, Any]] = []

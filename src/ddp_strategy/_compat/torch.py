@@ -372,8 +372,10 @@ def collective_dump(
 def collective_dump_pickled() -> bytes:
     """The first half of :func:`collective_dump`: torch's dump with stacks, as torch returns it (a pickle).
 
-    One C++ call that keeps the GIL throughout (about 0.5 ms for 16 entries with cold caches, now and then over 1 ms:
-    ``bench/results/recorder_dump_cost-*``). Empty when this torch has no Flight Recorder.
+    One C++ call that keeps the GIL throughout: about 0.4 ms for the strategy's 8 entries with cold caches, at most
+    0.73 ms in ``bench/results/recorder_dump_cost-*`` and 0.99 ms in a loaded 2-rank fit
+    (``bench/results/step_pauses-ring8-*``); 16 entries now and then took over 1 ms. Empty when this torch has no
+    Flight Recorder.
     :func:`collective_dump_unpickled` reads it, later if need be: a training thread that dumps at a step of its own
     unpickles at the next one, so that no step takes both.
     """
@@ -383,7 +385,7 @@ def collective_dump_pickled() -> bytes:
 def collective_dump_unpickled(pickled: bytes) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
     """The second half of :func:`collective_dump`: the entries and the status in :func:`collective_dump_pickled`'s.
 
-    One ``pickle.loads`` (0.1-0.3 ms for 16 entries in a training process), the GIL kept throughout.
+    One ``pickle.loads`` (0.1-0.3 ms for 8 or 16 entries in a training process), the GIL kept throughout.
     """
     dump = _unpickled_trace(pickled)
     return list(dump.get("entries", [])), _status_of(dump)

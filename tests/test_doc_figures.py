@@ -2179,3 +2179,47 @@ def test_the_third_step_pauses_run_with_the_dump_in_three_steps_is_the_result_fi
     assert above == [1]
     first = safe[0]["hook_gaps"]["p999_s"], stock[1]["hook_gaps"]["p999_s"]
     assert f"above stock's in round 1 ({first[0] * 1e3:.3f} against {first[1] * 1e3:.3f} ms)" in section
+
+
+def test_the_step_pauses_runs_with_the_ring_of_8_are_the_result_files():
+    """bench/README.md's two step_pauses runs at 1a09e77 (ring of 8, the look's comparisons apart): rows and claims."""
+    heading = "#### The ring halved to 8, and the look's comparisons apart"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    safe_fits, dumps, read, audit = [], [], [], []
+    for run, name in ((1, "step_pauses-ring8-1a09e77"), (2, "step_pauses-ring8-1a09e77-2")):
+        pauses = result(name)
+        stock = {f["round"]: f for f in pauses["fits"] if f["variant"] == "stock"}
+        for fit in (f for f in pauses["fits"] if f["variant"] == "safe"):
+            holds = fit["background_holds"]
+            gaps = fit["hook_gaps"]["p999_s"], stock[fit["round"]]["hook_gaps"]["p999_s"]
+            assert gaps[0] < gaps[1]  # below stock's in every round
+            cells = [f"{run}, {fit['round']}", str(holds["stretches"]), str(holds["over_1ms"])]
+            cells += [str(holds["over_1ms_wall"]), str(holds["over_1ms_on_core"])]
+            cells.append(f"{holds['longest']['cpu_s'] * 1e3:.3f}")
+            for kind in ("beats", "step_dumps", "step_unpickles", "step_parses"):
+                b = fit[kind]["MainThread"]
+                cells.append(f"{b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})")
+            trained = [d for d in fit["dumps"]["all"] if d["during_training"] and d["thread"] == "MainThread"]
+            longest_wall, longest_cpu = max(d["wall_s"] for d in trained), max(d["cpu_s"] for d in trained)
+            cells.append(f"{len(trained)} ({longest_wall * 1e3:.3f} / {longest_cpu * 1e3:.3f})")
+            cells.append(f"{gaps[0] * 1e3:.3f} / {gaps[1] * 1e3:.3f}")
+            assert f"| {' | '.join(cells)} |" in section, cells
+            assert not any(d["thread"].startswith("ddp_strategy-") for d in fit["dumps"]["all"] if d["during_training"])
+            safe_fits.append(fit)
+            dumps += trained
+            sites = {(s["from"], s["to"]): s["cpu_s"] for s in holds["longest_by_sites"]}
+            read.append(sites[("heartbeat.py:383", "desync_audit.py:66")])
+            audit.append(sites[("desync_audit.py:66", "heartbeat.py:114")])
+    holds = [f["background_holds"] for f in safe_fits]
+    assert [h["over_1ms"] for h in holds] == [0] * 4 and [h["over_1ms_on_core"] for h in holds] == [0] * 4
+    assert f"(the longest {max(h['longest']['cpu_s'] for h in holds) * 1e3:.3f} ms of CPU;" in section
+    assert sum(h["over_1ms_wall"] for h in holds) == 4 and "four over 1 ms of wall time" in section
+    longest_dump = max(d["cpu_s"] for d in dumps)
+    assert longest_dump < 1e-3
+    assert f"none of the training thread's {len(dumps)} torch dumps in training over 1 ms of CPU" in section
+    in_step = max(f["step_dumps"]["MainThread"]["longest_cpu_s"] for f in safe_fits)
+    assert in_step < longest_dump  # the longest was one as an epoch started, not the audit's at a step
+    assert f"(the longest {longest_dump * 1e3:.3f} ms, as an epoch started;" in section
+    assert f"at a step of their own at most {in_step * 1e3:.3f} ms)" in section
+    assert f"from the store read to the sleep {max(read) * 1e3:.3f} ms" in section
+    assert f"to the thread's next wait {max(audit) * 1e3:.3f} ms" in section

@@ -434,24 +434,30 @@ def test_a_beat_on_the_training_thread_reads_nothing_its_look_runs_at_the_heartb
     assert stores[0].ops > 0 and beat0.wake_tasks == []
 
 
+def _looking_rank0(peer_audit: dict[str, list[Any]]) -> tuple[CountingStore, DesyncMonitor]:
+    """Rank 0 of 2 with rank 1's heartbeat and audit publication (``peer_audit``) in the store: a look's set-up."""
+    shared = dist.HashStore()
+    store = CountingStore(shared)
+    monitor = DesyncMonitor(_BeatingControl(0, 2, store), CallNotes())  # type: ignore[arg-type]
+    shared.set("pos/1", json.dumps({"calls": 0, "digest": 0}))  # rank 1's heartbeat
+    shared.set(monitor.recorder.peer_key, json.dumps(peer_audit))
+    return store, monitor
+
+
+def _digests(*values: int) -> dict[str, list[Any]]:
+    """An audit publication: the default group's calls from #1 on, by their CRC-32s."""
+    return {"0": [1, array.array("I", values).tobytes().hex()]}
+
+
 def test_a_look_reads_the_next_ranks_audited_calls_in_its_one_multi_get(monkeypatch):
     # the look runs on the heartbeat thread, where each answer of the store costs a GIL hand-over: the next rank's
     # audited calls come in the look's one multi_get (a `check` until that rank first published), not in a
     # `check` and a `get` of their own
-    shared = dist.HashStore()
-    store = CountingStore(shared)
-    control = _BeatingControl(0, 2, store)
-    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    store, monitor = _looking_rank0(_digests(7, 8))  # rank 1's calls #1 and #2
     opened: list[int] = []
     monkeypatch.setattr(monitor, "_answer", lambda store, inquiry: opened.append(inquiry))
-
-    def digests(*values: int) -> dict[str, list[Any]]:
-        return {"0": [1, array.array("I", values).tobytes().hex()]}
-
-    shared.set("pos/1", json.dumps({"calls": 0, "digest": 0}))  # rank 1's heartbeat
-    shared.set(monitor.recorder.peer_key, json.dumps(digests(7, 8)))  # rank 1's calls #1 and #2
     monkeypatch.setattr(monitor.recorder, "due", lambda: True)
-    for mine, expected in ((digests(7), {"pos/1", "desync/audit/1", "multi_get"}), (digests(7, 9), {"multi_get"})):
+    for mine, expected in ((_digests(7), {"pos/1", "desync/audit/1", "multi_get"}), (_digests(7, 9), {"multi_get"})):
         monkeypatch.setattr(monitor.recorder, "publish", lambda store, background, mine=mine: mine)
         monitor._next_look = 0.0  # a beat that looks
         store.ops, store.by_key = 0, {}
@@ -467,10 +473,8 @@ def test_a_look_lets_the_gil_go_between_the_ledgers_comparison_and_the_audits(mo
     # audit to compare does not sleep
     from ddp_strategy import desync as desync_module
 
-    shared = dist.HashStore()
-    store = CountingStore(shared)
-    control = _BeatingControl(0, 2, store)
-    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    mine = _digests(7)
+    store, monitor = _looking_rank0(mine)  # rank 1 audited the same call
     order: list[str] = []
     monkeypatch.setattr(desync_module, "let_go_of_the_gil", lambda: order.append("let go"))
     ledger_differs = monitor._ledger_differs
@@ -479,9 +483,6 @@ def test_a_look_lets_the_gil_go_between_the_ledgers_comparison_and_the_audits(mo
     monkeypatch.setattr(
         monitor.recorder, "compare_with_peer", lambda mine, peer: order.append("audit") or compare(mine, peer)
     )
-    mine = {"0": [1, array.array("I", [7]).tobytes().hex()]}
-    shared.set("pos/1", json.dumps({"calls": 0, "digest": 0}))  # rank 1's heartbeat
-    shared.set(monitor.recorder.peer_key, json.dumps(mine))  # rank 1 audited the same call
     monkeypatch.setattr(monitor.recorder, "publish", lambda store, background: mine)
     for due, expected in ((True, ["ledger", "let go", "audit"]), (False, ["ledger"])):
         monkeypatch.setattr(monitor.recorder, "due", lambda due=due: due)
@@ -489,7 +490,7 @@ def test_a_look_lets_the_gil_go_between_the_ledgers_comparison_and_the_audits(mo
         monitor._next_look = 0.0  # a beat that looks
         monitor.beat(store)
         assert order == expected
-    assert monitor._audit_inquired == set() and control.desync_error is None  # the same call: nothing to ask
+    assert monitor._audit_inquired == set() and monitor.control.desync_error is None  # the same call: nothing to ask
 
 
 def test_a_beat_on_the_training_thread_leaves_the_audits_dump_to_the_next_step(monkeypatch):

@@ -1266,7 +1266,7 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     assert (
         f"{min(ring16):.3f} to {max(ring16):.3f} by run with the ring of 16 ({pooled['of_medians']:.3f} pooled" in row
     )
-    assert "four with today's ring of 16" in row and len(ring16) == 4
+    assert "four with the ring of 16 (until 2026-12-02), four with today's ring of 8" in row and len(ring16) == 4
     beat = _ratio_row(result("tiny_step-intel-inline-beat-96bc357"), "nolog", "safe / stock")["step_mean_s"]
     assert (
         f"{beat['of_medians']:.3f} in one run since the heartbeat's beat moved to the training thread (96bc357; "
@@ -1278,6 +1278,15 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     assert (
         f"{pool['step_mean_s']['of_medians']:.3f} pooled over three runs at c46ad94 ({runs} by run; the training "
         f"thread's CPU {pool['cpu_step_s']['of_medians']:.3f})" in row
+    )
+    ring8 = [_ratio_row(result(f"tiny_step-ring8-{n}-1a09e77"), "nolog", "safe / stock") for n in (1, 2, 3, 4)]
+    means = [r["step_mean_s"]["of_medians"] for r in ring8]
+    pool8 = result("tiny_step-pooled-ring8-4-runs-1a09e77")
+    share = _ratio_row(pool8, "nolog", "safe / safe_bare")["step_mean_s"]["of_medians"]
+    assert (
+        f"{_ratio_row(pool8, 'nolog', 'safe / stock')['step_mean_s']['of_medians']:.3f} pooled over four runs at "
+        f"1a09e77 with the ring of 8 ({min(means):.3f} to {max(means):.3f} by run; desync detection's share "
+        f"{share:.3f}" in row
     )
 
 
@@ -2223,3 +2232,50 @@ def test_the_step_pauses_runs_with_the_ring_of_8_are_the_result_files():
     assert f"at a step of their own at most {in_step * 1e3:.3f} ms)" in section
     assert f"from the store read to the sleep {max(read) * 1e3:.3f} ms" in section
     assert f"to the thread's next wait {max(audit) * 1e3:.3f} ms" in section
+
+
+def test_the_tiny_step_runs_with_the_ring_of_8_are_the_result_files():
+    """bench/README.md's four tiny-step runs at 1a09e77 (ring of 8), their pool, and the figures under the table."""
+    heading = "#### The tiny-model step with the ring of 8"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    runs = {f"`ring8-{n}`": f"tiny_step-ring8-{n}-1a09e77" for n in (1, 2, 3, 4)}
+    runs["pooled, 40 rounds"] = "tiny_step-pooled-ring8-4-runs-1a09e77"
+    parts = list(runs.values())[:-1]
+    commits = [result(name)["meta"]["git"] for name in parts]
+    assert commits == ["commit 1a09e77"] + ["commit 7d356bc"] * 3  # one src/: 7d356bc added results and tests
+    assert all(result(name)["config"]["bare_kwargs"] == {"desync_detection": False} for name in parts)
+    pool, nolog = _assert_pooled_runs(section, runs, "(40 rounds) gives ")
+    assert nolog["step_mean_s"]["of_medians"] > 1.02  # not shown: the sentence says so
+    assert "Point 3 is not shown on this package code" in section
+    synced = _ratio_row(pool, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+    assert f"{synced:.3f} with the `sync_dist` log" in section
+    by_run = [_ratio_row(result(n), "nolog", "safe / stock")["step_mean_s"]["of_medians"] for n in parts]
+    assert f"by run from {min(by_run):.3f} to {max(by_run):.3f} without logging" in section
+    assert f"the ratio moved by {max(by_run) - min(by_run):.3f}" in section
+    before = result("tiny_step-pooled-split-3-runs-3fa24ab")
+    earlier = _ratio_row(before, "nolog", "safe / stock")["step_mean_s"]["of_medians"]
+    low, high = before["analysis"]["run_resampled_interval"]["nolog"]
+    assert f"The pool at 3fa24ab had {earlier:.3f} ([{low:.3f}, {high:.3f}])" in section
+    share = _ratio_row(pool, "nolog", "safe / safe_bare")
+    assert (
+        f"safe / safe_bare: {share['step_mean_s']['of_medians']:.3f} by wall time and "
+        f"{share['cpu_step_s']['of_medians']:.3f} by the training thread's CPU (paired median "
+        f"{share['cpu_step_s']['paired']['median']:.3f})" in section
+    )
+    bare = _ratio_row(pool, "nolog", "safe_bare / stock")
+    assert (
+        f"safe_bare's as much ({bare['step_mean_s']['of_medians']:.3f}, by CPU {bare['cpu_step_s']['of_medians']:.3f})"
+        in section
+    )
+    own = pool["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"]
+    assert f"own threads took {own * 1e6:.1f} us per step at the median" in section
+
+    def stock(data: dict[str, Any], key: str) -> float:
+        rows = data["analysis"]["rows"]
+        return next(r for r in rows if r["mode"] == "nolog" and r["variant"] == "stock")[key]["median"]
+
+    assert (
+        f"stock's own step took {stock(pool, 'step_mean_s') * 1e6:.0f} us at the median of the 40 rounds "
+        f"({stock(before, 'step_mean_s') * 1e6:.0f} in the 30 rounds at 3fa24ab) and its training thread "
+        f"{stock(pool, 'cpu_step_s') * 1e6:.0f} us of CPU per step ({stock(before, 'cpu_step_s') * 1e6:.0f})" in section
+    )

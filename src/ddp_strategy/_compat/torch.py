@@ -373,9 +373,8 @@ def collective_dump_pickled() -> bytes:
     """The first half of :func:`collective_dump`: torch's dump with stacks, as torch returns it (a pickle).
 
     One C++ call that keeps the GIL throughout: about 0.4 ms for the strategy's 8 entries with cold caches, at most
-    0.73 ms in ``bench/results/recorder_dump_cost-*`` and 0.99 ms in a loaded 2-rank fit
-    (``bench/results/step_pauses-ring8-*``); 16 entries now and then took over 1 ms. Empty when this torch has no
-    Flight Recorder.
+    0.73 ms in ``bench/results/recorder_dump_cost-*``; in a loaded 2-rank fit up to 1.41 ms now and then
+    (``bench/results/step_pauses-ring8-*``: 2 of 130 over 1 ms). Empty when this torch has no Flight Recorder.
     :func:`collective_dump_unpickled` reads it, later if need be: a training thread that dumps at a step of its own
     unpickles at the next one, so that no step takes both.
     """

@@ -38,6 +38,7 @@ import argparse
 import functools
 import gc
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -305,28 +306,52 @@ def calibrate_profile(holds: Holds, rounds: int = 200000) -> float:
     return result[0]
 
 
+class CallUsage:
+    """What one timed call cost its thread: wall and CPU seconds, page faults, preemptions, garbage collections.
+
+    A call's CPU time is not all its own work: a minor page fault (memory the allocator takes anew from the kernel)
+    costs a few microseconds of kernel time on a VM, and a garbage collection the call's allocation made due runs
+    inside it. ``getrusage(RUSAGE_THREAD)`` counts the faults and the involuntary context switches exactly (its
+    split of CPU into user and system time is sampled by ticks: not used).
+    """
+
+    def __init__(self, collections_here: Callable[[], int]) -> None:
+        self._collections_here = collections_here
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+        self._usage = resource.getrusage(resource.RUSAGE_THREAD)
+        self._collections = collections_here()
+
+    def ended(self) -> dict[str, Any]:
+        """The call's figures from its start: ``wall_s``, ``cpu_s``, ``minor_faults``, ``preempted``, ``gc``."""
+        wall, cpu = time.perf_counter() - self.wall, time.thread_time() - self.cpu
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return {
+            "thread": threading.current_thread().name,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "minor_faults": usage.ru_minflt - self._usage.ru_minflt,
+            "major_faults": usage.ru_majflt - self._usage.ru_majflt,
+            "preempted": usage.ru_nivcsw - self._usage.ru_nivcsw,
+            "gc": self._collections_here() - self._collections,
+        }
+
+
 class Dumps:
     """Every ``collective_trace`` call (a dump with stacks): thread, wall and CPU seconds, whether in training."""
 
-    def __init__(self) -> None:
+    def __init__(self, collections_here: Callable[[], int] = lambda: 0) -> None:
         self.calls: list[dict[str, Any]] = []
         self.training = False
+        self._collections_here = collections_here
 
     def wrap(self, dump: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(dump)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            wall, cpu = time.perf_counter(), time.thread_time()
+            usage = CallUsage(self._collections_here)
             try:
                 return dump(*args, **kwargs)
             finally:
-                self.calls.append(
-                    {
-                        "thread": threading.current_thread().name,
-                        "wall_s": time.perf_counter() - wall,
-                        "cpu_s": time.thread_time() - cpu,
-                        "during_training": self.training,
-                    }
-                )
+                self.calls.append({**usage.ended(), "during_training": self.training})
 
         return timed
 
@@ -334,29 +359,23 @@ class Dumps:
 class Beats:
     """Every heartbeat beat (``Heartbeat._beat_once``) in training, and every other ``kind`` of call wrapped.
 
-    Per call: its kind, thread, wall and CPU seconds.
+    Per call: its kind, thread, wall and CPU seconds, and the rest of :class:`CallUsage`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, collections_here: Callable[[], int] = lambda: 0) -> None:
         self.calls: list[dict[str, Any]] = []
         self.training = False
+        self._collections_here = collections_here
 
     def wrap(self, method: Callable[..., Any], kind: str = "beat") -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            wall, cpu = time.perf_counter(), time.thread_time()
+            usage = CallUsage(self._collections_here)
             try:
                 return method(owner, *args, **kwargs)
             finally:
                 if self.training:
-                    self.calls.append(
-                        {
-                            "kind": kind,
-                            "thread": threading.current_thread().name,
-                            "wall_s": time.perf_counter() - wall,
-                            "cpu_s": time.thread_time() - cpu,
-                        }
-                    )
+                    self.calls.append({"kind": kind, **usage.ended()})
 
         return timed
 
@@ -367,11 +386,14 @@ class Beats:
             row = threads.setdefault(call["thread"], {"count": 0, "longest_wall_s": 0.0, "longest_cpu_s": 0.0})
             row["count"] += 1
             row["longest_wall_s"] = max(row["longest_wall_s"], call["wall_s"])
-            row["longest_cpu_s"] = max(row["longest_cpu_s"], call["cpu_s"])
+            if call["cpu_s"] >= row["longest_cpu_s"]:
+                row["longest_cpu_s"] = call["cpu_s"]
+                row["longest_cpu_call"] = call  # with its faults, preemptions and collections
         for thread, row in threads.items():  # the typical call beside the longest
             mine = [c for c in self.calls if c["kind"] == kind and c["thread"] == thread]
             row["median_wall_s"] = statistics.median(c["wall_s"] for c in mine)
             row["median_cpu_s"] = statistics.median(c["cpu_s"] for c in mine)
+            row["over_1ms_cpu"] = [c for c in mine if c["cpu_s"] > 1e-3]
         return threads
 
 
@@ -436,8 +458,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
     clock = HookClock(warmup)
     collections = Collections()
     holds = Holds(event_cost, collections.on_this_thread)
-    dumps = Dumps()
-    beats = Beats()
+    dumps = Dumps(collections.on_this_thread)
+    beats = Beats(collections.on_this_thread)
     originals = {
         (module, name): getattr(module, name)
         for module, name in ((desync_module, "collective_trace"), (audit_module, "collective_trace"))
@@ -532,6 +554,8 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             # the audit's dumps at a step of their own (timed whole under "step_dumps")
             "training_thread": len(training_thread),
             "longest_training_thread_wall_s": max((d["wall_s"] for d in training_thread), default=0.0),
+            "longest_training_thread_cpu": max(training_thread, key=lambda d: d["cpu_s"], default=None),
+            "training_thread_over_1ms_cpu": [d for d in training_thread if d["cpu_s"] > 1e-3],
         },
     }
 
@@ -542,6 +566,40 @@ def _by_thread(summary: dict[str, Any]) -> str:
         f"`{thread}` {b['count']} ({b['longest_wall_s'] * 1e3:.3f} / {b['longest_cpu_s'] * 1e3:.3f})"
         for thread, b in sorted(summary.items())
     )
+
+
+def _usage_text(call: dict[str, Any]) -> str:
+    """One call's :class:`CallUsage` figures as text."""
+    collected = ", a garbage collection" if call.get("gc") else ""
+    return (
+        f"{call['cpu_s'] * 1e3:.3f} / {call['wall_s'] * 1e3:.3f} ({call.get('minor_faults', 0)} faults, "
+        f"{call.get('preempted', 0)} preempted{collected})"
+    )
+
+
+def _training_thread_usage(row: dict[str, Any]) -> str:
+    """The training thread's calls over 1 ms of CPU in one fit, and the longest of each kind, as text."""
+    over = [("torch dump", d) for d in row["dumps"]["training_thread_over_1ms_cpu"]]
+    longest_dump = row["dumps"].get("longest_training_thread_cpu")
+    parts = [f"longest torch dump {_usage_text(longest_dump)}"] if longest_dump else []
+    for key, name in TRAINING_THREAD_PARTS:
+        for thread, summary in sorted(row.get(key, {}).items()):
+            if thread.startswith("ddp_strategy-"):  # a background thread's: its GIL stretches are timed apart
+                continue
+            over += [(name, call) for call in summary.get("over_1ms_cpu", [])]
+            if "longest_cpu_call" in summary:
+                parts.append(f"longest {name} {_usage_text(summary['longest_cpu_call'])}")
+    over_text = "; ".join(f"{name} {_usage_text(call)}" for name, call in over) or "none"
+    return f"over 1 ms: {over_text}. " + "; ".join(parts)
+
+
+#: The training thread's timed parts of the heartbeat (:data:`BEAT_PARTS`' summaries), as the report names them.
+TRAINING_THREAD_PARTS = (
+    ("beats", "beat"),
+    ("step_dumps", "audit's dump"),
+    ("step_unpickles", "unpickling"),
+    ("step_parses", "parsing"),
+)
 
 
 def render(result: dict[str, Any]) -> list[str]:
@@ -645,6 +703,18 @@ def render(result: dict[str, Any]) -> list[str]:
             extra += f"; their parsing at the step after {after}: {parses}" if parses else ""
             extra += f"; the heartbeat thread's wake-ups, with the beats' store reads: {reads}" if reads else ""
             lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
+    usage = [r for r in result["fits"] if r["variant"] == "safe" and "training_thread_over_1ms_cpu" in r["dumps"]]
+    if usage:
+        lines += [
+            "",
+            "The training thread's calls in the strategy over 1 ms of CPU (torch's dumps, beats, the audit's steps), "
+            "and what their CPU held (`getrusage(RUSAGE_THREAD)`: minor page faults, each a few microseconds of "
+            "kernel time; involuntary context switches; a garbage collection on that thread), and the longest of "
+            "each kind (ms CPU / wall):",
+            "",
+        ]
+        for row in usage:
+            lines.append(f"- round {row['round']}: {_training_thread_usage(row)}")
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
     if scheduled:
         lines += [

@@ -132,3 +132,41 @@ def test_beats_are_counted_by_the_thread_that_ran_them_and_only_in_training():
     summary = beats.summary()
     assert runs == ["MainThread", "MainThread", "ddp_strategy-heartbeat-rank0", "MainThread"]
     assert {name: row["count"] for name, row in summary.items()} == {"MainThread": 2, "ddp_strategy-heartbeat-rank0": 1}
+
+
+def test_a_timed_call_counts_its_page_faults_and_a_garbage_collection_it_ran():
+    """What a call's CPU held: fresh memory touched (page faults), a collection on its thread; the report names both."""
+    collections = pauses.Collections()
+    beats = pauses.Beats(collections.on_this_thread)
+    beats.training = True
+
+    def beat_once(heartbeat: object, store: object) -> bool:
+        memory = bytearray(32 << 20)  # 32 MB taken anew from the kernel and zeroed: thousands of minor faults
+        gc.collect()
+        deadline = time.thread_time() + 0.002
+        while time.thread_time() < deadline:  # over 1 ms of CPU
+            pass
+        return len(memory) > 0
+
+    def plain(heartbeat: object, store: object) -> bool:
+        return True
+
+    gc.callbacks.append(collections.callback)
+    try:
+        beats.wrap(beat_once)(None, None)
+        beats.wrap(plain, "step dump")(None, None)
+    finally:
+        gc.callbacks.remove(collections.callback)
+    costly, cheap = beats.calls
+    assert costly["minor_faults"] > 1000 and costly["gc"] == 1 and costly["cpu_s"] > 0.002
+    assert cheap["minor_faults"] < 100 and cheap["gc"] == 0
+    row = {
+        "dumps": {"all": [], "training_thread_over_1ms_cpu": [], "longest_training_thread_cpu": None},
+        "beats": beats.summary(),
+        "step_dumps": beats.summary("step dump"),
+    }
+    text = pauses._training_thread_usage(row)
+    over, longest = text.split(". ", 1)
+    assert over.startswith("over 1 ms: beat ") and "a garbage collection" in over
+    assert f"{costly['minor_faults']} faults" in over
+    assert longest.startswith("longest beat ") and "; longest audit's dump " in longest

@@ -132,12 +132,18 @@ class HookClock(Callback):
         self.gaps: list[float] = []
         self._last: float | None = None
         self._first = False  # in an epoch's first batch (the strategy's once-per-epoch audit dump: not counted)
+        self._hook = ""  # the hook of the last tick
+        #: the longest gap: its seconds, the hooks it lies between, the batch of its epoch and the global step
+        self.longest: dict[str, Any] = {"gap_s": 0.0}
 
-    def _tick(self, trainer: pl.Trainer) -> None:
+    def _tick(self, trainer: pl.Trainer, hook: str = "") -> None:
         now = time.perf_counter()
         if trainer.global_step >= self.warmup and self._last is not None and not self._first:
-            self.gaps.append(now - self._last)
-        self._last = now
+            gap = now - self._last
+            self.gaps.append(gap)
+            if gap > self.longest["gap_s"]:
+                self.longest = {"gap_s": gap, "after": self._hook, "before": hook, "step": trainer.global_step}
+        self._last, self._hook = now, hook
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = None  # the epoch's end (and the weight agreement) is not a training step
@@ -145,7 +151,7 @@ class HookClock(Callback):
 
 def _hook(name: str) -> Callable[..., None]:
     def hook(self: HookClock, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._tick(trainer)
+        self._tick(trainer, name)
 
     hook.__name__ = name
     return hook
@@ -157,7 +163,7 @@ for _name in HOOKS[1:]:
 
 def _batch_start(self: HookClock, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
     self._first = batch_idx == 0
-    self._tick(trainer)
+    self._tick(trainer, "on_train_batch_start")
 
 
 HookClock.on_train_batch_start = _batch_start  # type: ignore[method-assign]
@@ -516,6 +522,7 @@ def fit(variant: str, steps: int, warmup: int, root: str, event_cost: float) -> 
             "median_s": statistics.median(gaps),
             "p999_s": gaps[min(len(gaps) - 1, int(0.999 * len(gaps)))],
             "max_s": gaps[-1],
+            "longest": clock.longest,  # between which hooks, at which step
         },
         "background_holds": {
             "stretches": holds.stretches,
@@ -703,6 +710,15 @@ def render(result: dict[str, Any]) -> list[str]:
             extra += f"; their parsing at the step after {after}: {parses}" if parses else ""
             extra += f"; the heartbeat thread's wake-ups, with the beats' store reads: {reads}" if reads else ""
             lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
+    located = [r for r in result["fits"] if "longest" in r["hook_gaps"]]
+    if located:
+        lines += ["", "The longest step-hook gap of each fit: the hooks it lies between, the global step (ms):", ""]
+        for row in located:
+            longest = row["hook_gaps"]["longest"]
+            lines.append(
+                f"- round {row['round']}, {row['variant']}: {longest['gap_s'] * 1e3:.3f} from `{longest['after']}` to "
+                f"`{longest['before']}` at step {longest['step']}"
+            )
     usage = [r for r in result["fits"] if r["variant"] == "safe" and "training_thread_over_1ms_cpu" in r["dumps"]]
     if usage:
         lines += [

@@ -1242,6 +1242,10 @@ def test_step_pauses_with_garbage_collections_apart_are_the_result_file():
     assert f"took {cpu} ms of thread CPU but {wall} ms of wall time" in text
 
 
+#: the tiny-step runs with the Flight Recorder's ring of 8 (README.md's tiny-model row; bench/README.md)
+RING8_RUNS = tuple((n, f"tiny_step-ring8-{n}-1a09e77") for n in (1, 2, 3, 4)) + ((5, "tiny_step-ring8-5-24825e3"),)
+
+
 def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     """README.md's tiny-model row: the spread, median and count of the eight runs, and the sync_dist range."""
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| a tiny model's"))
@@ -1279,15 +1283,22 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
         f"{pool['step_mean_s']['of_medians']:.3f} pooled over three runs at c46ad94 ({runs} by run; the training "
         f"thread's CPU {pool['cpu_step_s']['of_medians']:.3f})" in row
     )
-    ring8 = [_ratio_row(result(f"tiny_step-ring8-{n}-1a09e77"), "nolog", "safe / stock") for n in (1, 2, 3, 4)]
+    ring8 = [_ratio_row(result(name), "nolog", "safe / stock") for _, name in RING8_RUNS]
     means = [r["step_mean_s"]["of_medians"] for r in ring8]
-    pool8 = result("tiny_step-pooled-ring8-4-runs-1a09e77")
+    pool8 = result("tiny_step-pooled-ring8-5-runs-24825e3")
+    assert [s["run"] for s in pool8["pooled_from"]] == [name for _, name in RING8_RUNS]
     share = _ratio_row(pool8, "nolog", "safe / safe_bare")["step_mean_s"]["of_medians"]
     assert (
-        f"{_ratio_row(pool8, 'nolog', 'safe / stock')['step_mean_s']['of_medians']:.3f} pooled over four runs at "
-        f"1a09e77 with the ring of 8 ({min(means):.3f} to {max(means):.3f} by run; desync detection's share "
-        f"{share:.3f}" in row
+        f"{_ratio_row(pool8, 'nolog', 'safe / stock')['step_mean_s']['of_medians']:.3f} pooled over five runs with "
+        f"the ring of 8 ({min(means):.3f} to {max(means):.3f} by run; desync detection's share {share:.3f}; with no "
+        "background thread at all the excess stays" in row
     )
+    # "with no background thread at all the excess stays": safe_bare without a heartbeat, by CPU, every round
+    alone = _ratio_row(result("tiny_step-no-heartbeat-24825e3"), "nolog", "safe_bare / stock")
+    assert alone["cpu_step_s"]["paired"]["min"] > 1.0
+    hooks = result("strategy_cost-tiny-24825e3")["workloads"][0]["own_per_method_s"]
+    per_step = sum(v for k, v in hooks.items() if k not in ("reduce", "self.log wrapper"))  # what a step without a log pays
+    assert 45e-6 < per_step < 55e-6 and "the strategy's per-step hooks, about 50 us of CPU" in row
 
 
 def test_where_safes_added_instructions_go_is_the_result_files():
@@ -2292,4 +2303,192 @@ def test_the_tiny_step_runs_with_the_ring_of_8_are_the_result_files():
         f"stock's own step took {stock(pool, 'step_mean_s') * 1e6:.0f} us at the median of the 40 rounds "
         f"({stock(before, 'step_mean_s') * 1e6:.0f} in the 30 rounds at 3fa24ab) and its training thread "
         f"{stock(pool, 'cpu_step_s') * 1e6:.0f} us of CPU per step ({stock(before, 'cpu_step_s') * 1e6:.0f})" in section
+    )
+
+
+#: bench/README.md's "A fifth tiny-step run": label, result, what its safe_bare switched off
+DIAGNOSIS_RUNS = (
+    ("`ring8-5`", "tiny_step-ring8-5-24825e3", "no desync detection"),
+    ("pooled, 50 rounds", "tiny_step-pooled-ring8-5-runs-24825e3", "no desync detection"),
+    ("`no-heartbeat`", "tiny_step-no-heartbeat-24825e3", "no heartbeat"),
+    ("`all-off`", "tiny_step-all-off-24825e3", "every option off"),
+)
+
+
+def _bare_cpu_added(data: dict[str, Any]) -> float:
+    """safe_bare's training-thread CPU per step less stock's in the same round, median over rounds, without logging."""
+    rows = data["analysis"]["step_breakdown"]
+    row = next(r for r in rows if r["mode"] == "nolog" and r["variant"] == "safe_bare")
+    return float(row["cpu_step_s_added"]["median"])
+
+
+def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_result_files():
+    """bench/README.md's fifth tiny-step run, the pool of five, the two diagnosis runs and the tiny model's own CPU."""
+    heading = "#### A fifth tiny-step run, and where the excess without logging lies"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n#### ")[0].split())
+    for label, name, bare in DIAGNOSIS_RUNS:
+        data = result(name)
+        safe = _ratio_row(data, "nolog", "safe / stock")["step_mean_s"]
+        paired = safe["paired"]
+        synced = _ratio_row(data, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+        bare_row = _ratio_row(data, "nolog", "safe_bare / stock")
+        cpu = bare_row["cpu_step_s"]["paired"]
+        assert (
+            f"| {label} | {bare} | {safe['of_medians']:.3f} | {paired['median']:.3f} [{paired['min']:.3f}, "
+            f"{paired['max']:.3f}] | {synced:.3f} | {bare_row['step_mean_s']['of_medians']:.3f} | "
+            f"{cpu['median']:.3f} [{cpu['min']:.3f}, {cpu['max']:.3f}] | {_bare_cpu_added(data) * 1e6:+.0f} |" in section
+        ), label
+    configs = {name: result(name)["config"]["bare_kwargs"] for _, name, _ in DIAGNOSIS_RUNS}
+    assert configs["tiny_step-ring8-5-24825e3"] == {"desync_detection": False}
+    assert configs["tiny_step-no-heartbeat-24825e3"] == {"heartbeat_interval": 0}
+    assert configs["tiny_step-all-off-24825e3"] == {
+        "heartbeat_interval": 0,
+        "desync_detection": False,
+        "preemption_signals": None,
+        "sharding_check": None,
+        "uneven_inputs": None,
+        "weight_check": None,
+        "track_trainable_set": False,
+        "handshake": False,
+        "exact_evaluation": False,
+    }
+    assert result("tiny_step-all-off-24825e3")["meta"]["git"] == "commit 98f917c"
+    pool = result("tiny_step-pooled-ring8-5-runs-24825e3")
+    assert [s["run"] for s in pool["pooled_from"]] == [f"tiny_step-ring8-{n}-1a09e77" for n in (1, 2, 3, 4)] + [
+        "tiny_step-ring8-5-24825e3"
+    ]
+    nolog = _ratio_row(pool, "nolog", "safe / stock")["step_mean_s"]
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    assert (
+        f"the pool of five runs gives {nolog['of_medians']:.3f} without logging** (paired median "
+        f"{nolog['paired']['median']:.3f}; resampling runs, then rounds within them, [{low:.3f}, {high:.3f}])" in section
+    )
+    assert nolog["of_medians"] > 1.02 and "Point 3 is still not shown" in section
+    fifth = _ratio_row(result("tiny_step-ring8-5-24825e3"), "nolog", "safe / stock")["step_mean_s"]
+    assert f"The fifth run alone: {fifth['of_medians']:.3f} (paired median {fifth['paired']['median']:.3f})" in section
+    beat = _ratio_row(result("tiny_step-no-heartbeat-24825e3"), "nolog", "safe_bare / stock")["cpu_step_s"]["paired"]
+    assert beat["min"] > 1.0  # "in every one of the 10 rounds"
+    assert "in every one of the 10 rounds (by CPU" in section
+    assert f"{_bare_cpu_added(result('tiny_step-no-heartbeat-24825e3')) * 1e6:.0f} us per step at the median" in section
+    assert f"with every option off, {_bare_cpu_added(result('tiny_step-all-off-24825e3')) * 1e6:.0f} us (" in section
+    own = [r["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"] for r in map(result, configs)]
+    own = [o for o, (_, name, _) in zip(own, DIAGNOSIS_RUNS) if "pooled" not in name]
+    assert f"took {min(own) * 1e6:.1f} to {max(own) * 1e6:.1f} us per step in these runs" in section
+    tiny = result("strategy_cost-tiny-24825e3")["workloads"][0]
+    assert tiny["workload"] == "tiny" and tiny["steps"] == 600
+    methods = tiny["own_per_method_s"]
+    callbacks = {"ShardingCheck", "WeightSyncCheck", "PreemptionStop"}  # the strategy's three, 6 hooks each
+    turns = sum(v for k, v in methods.items() if k.split(".")[0] in callbacks)
+    assert sum(k.split(".")[0] in callbacks for k in methods) == 18
+    rest = methods["on_train_batch_start"] + methods["optimizer_step"] + methods["post_backward"] + turns
+    assert (
+        f"{tiny['own_cpu_per_step_s'] * 1e6:.0f} us of own CPU per step, of which the log's `reduce` "
+        f"{methods['reduce'] * 1e6:.1f} us and its `self.log` wrapper {methods['self.log wrapper'] * 1e6:.1f} us" in section
+    )
+    assert (
+        f"{rest * 1e6:.1f} us: `on_train_batch_start` {methods['on_train_batch_start'] * 1e6:.1f} (its beat once a "
+        f"second included), `optimizer_step` {methods['optimizer_step'] * 1e6:.1f}, `post_backward` "
+        f"{methods['post_backward'] * 1e6:.1f}, the callbacks' 18 turns {turns * 1e6:.1f}" in section
+    )
+    stock = next(
+        r
+        for r in result("tiny_step-ring8-5-24825e3")["analysis"]["rows"]
+        if r["mode"] == "nolog" and r["variant"] == "stock"
+    )["cpu_step_s"]["median"]
+    assert f"That is {rest / stock * 100:.1f}% of stock's {stock * 1e3:.1f} ms of training-thread CPU per step" in section
+    added = result("instructions_per_step-6c50b88")["modes"]["nolog"]["training"]
+    assert f"({added['added'] / 1e3:.1f}k per step at 6c50b88" in section
+
+
+USAGE_RUNS = (
+    ("1", "step_pauses-usage-98f917c"),
+    ("2", "step_pauses-usage-98f917c-2"),
+    ("3", "step_pauses-usage-b460fe8-3"),
+)
+
+
+def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_result_files():
+    """bench/README.md's three step_pauses runs with the calls' usage counts: table rows and the figures under it."""
+    heading = "#### The training thread's long calls, with their page faults and preemptions"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+
+    def ms(call: dict[str, Any], key: str) -> str:
+        return f"{call[key] * 1e3:.3f}"
+
+    def part(summary: dict[str, Any]) -> str:
+        row = summary["MainThread"]
+        return f"{row['count']} ({ms(row, 'longest_wall_s')} / {ms(row, 'longest_cpu_s')})"
+
+    longest: dict[str, float] = {}
+    kinds = ("beats", "step_dumps", "step_unpickles", "step_parses")
+    safe_fits, gaps = [], []
+    for run, name in USAGE_RUNS:
+        fits = result(name)["fits"]
+        stock = {f["round"]: f["hook_gaps"] for f in fits if f["variant"] == "stock"}
+        for fit in (f for f in fits if f["variant"] == "safe"):
+            holds, gap = fit["background_holds"], fit["hook_gaps"]
+            dumps = [d for d in fit["dumps"]["all"] if d["during_training"]]
+            row = (
+                f"| {run}, {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
+                f"{holds['over_1ms_on_core']} | {ms(holds['longest'], 'cpu_s')} | "
+                + " | ".join(part(fit[kind]) for kind in kinds)
+                + f" | {len(dumps)} ({max(d['wall_s'] for d in dumps) * 1e3:.3f} / "
+                f"{max(d['cpu_s'] for d in dumps) * 1e3:.3f}) | {sum(d['minor_faults'] for d in dumps)} | "
+                f"{ms(gap, 'p999_s')} / {ms(stock[fit['round']], 'p999_s')} | {ms(gap, 'max_s')} / "
+                f"{ms(stock[fit['round']], 'max_s')} |"
+            )
+            assert row in section, (run, fit["round"])
+            safe_fits.append(fit)
+            gaps.append((run, fit["round"], gap, stock[fit["round"]]))
+            longest["stretch"] = max(longest.get("stretch", 0.0), holds["longest"]["cpu_s"])
+            longest["dump"] = max(longest.get("dump", 0.0), *(d["cpu_s"] for d in dumps))
+            for kind in kinds:
+                longest[kind] = max(longest.get(kind, 0.0), fit[kind]["MainThread"]["longest_cpu_s"])
+            assert sum(d["minor_faults"] for d in dumps) == 0  # "took no page fault in any fit"
+            assert all(not fit[kind]["MainThread"]["longest_cpu_call"]["gc"] for kind in kinds)
+            assert not fit["dumps"]["longest_training_thread_cpu"]["gc"]
+    assert len(safe_fits) == 6 and all(f["background_holds"]["over_1ms"] == 0 for f in safe_fits)
+    assert max(longest.values()) < 1e-3  # no call of the strategy's over 1 ms of CPU
+    assert f"no background stretch (the longest {longest['stretch'] * 1e3:.3f} ms)" in section
+    assert f"no torch dump (the longest {longest['dump'] * 1e3:.3f} ms, as an epoch started), beat" in section
+    assert (
+        f"beat ({longest['beats'] * 1e3:.3f}), audit's dump at a step of its own ({longest['step_dumps'] * 1e3:.3f}), "
+        f"unpickling ({longest['step_unpickles'] * 1e3:.3f}) or parsing ({longest['step_parses'] * 1e3:.3f})"
+        in section
+    )
+    in_step = max(f["step_dumps"]["MainThread"]["longest_cpu_s"] for f in safe_fits)
+    assert longest["dump"] > in_step  # the longest torch dump was one as an epoch started
+    before = [f for f in result("step_pauses-ring8-fbe7d99-3")["fits"] if f["variant"] == "safe"]
+    over = [
+        (f["round"], d["cpu_s"]) for f in before for d in f["dumps"]["all"] if d["during_training"] and d["cpu_s"] > 1e-3
+    ] + [(f["round"], f["beats"]["MainThread"]["longest_cpu_s"]) for f in before]
+    over = [o for o in over if o[1] > 1e-3]
+    assert len(over) == 3 and len({r for r, _ in over}) == 1  # "three calls ... all in one fit"
+    assert "three calls of the training thread crossed 1 ms of CPU in the 12 safe fits, all in one fit" in section
+    costs = {
+        row["entries"]: row["with_stacks"]["median_s"]
+        for row in result("recorder_dump_cost-b0a1d77-2")["rows"]
+        if row["entries"] in (8, 16, 32)
+    }
+    assert (
+        f"{costs[8] * 1e3:.3f} ms at the median for 8 entries, {costs[16] * 1e3:.3f} for 16, {costs[32] * 1e3:.3f} for 32"
+        in section
+    )
+    below = [(run, rnd) for run, rnd, gap, stock in gaps if gap["p999_s"] < stock["p999_s"]]
+    assert len(below) == 5 and "below stock's in five rounds of six" in section
+    (run, rnd, gap, stock) = next(g for g in gaps if (g[0], g[1]) not in below)
+    assert f"({ms(gap, 'p999_s')} against {ms(stock, 'p999_s')} ms in run {run}, round {rnd})" in section
+    second = [(g, s) for r, _, g, s in gaps if r == "2"]
+    assert (
+        f"Run 2's longest gaps, {ms(second[0][0], 'max_s')} and {ms(second[1][0], 'max_s')} ms against stock's "
+        f"{ms(second[0][1], 'max_s')} and {ms(second[1][1], 'max_s')}" in section
+    )
+    third = [(g, s) for r, _, g, s in gaps if r == "3"]
+    assert all("longest" not in g for g, _ in second)  # run 2 came before the gaps were located
+    assert all(
+        g["longest"]["after"] == "on_before_backward" and g["longest"]["before"] == "on_after_backward" for g, _ in third
+    )
+    assert (
+        f"{ms(third[0][0], 'max_s')} and {ms(third[1][0], 'max_s')} ms against stock's {ms(third[0][1], 'max_s')} "
+        f"and {ms(third[1][1], 'max_s')}" in section
     )

@@ -1243,7 +1243,7 @@ def test_step_pauses_with_garbage_collections_apart_are_the_result_file():
 
 
 #: the tiny-step runs with the Flight Recorder's ring of 8 (README.md's tiny-model row; bench/README.md)
-RING8_RUNS = tuple((n, f"tiny_step-ring8-{n}-1a09e77") for n in (1, 2, 3, 4)) + ((5, "tiny_step-ring8-5-24825e3"),)
+RING8_RUNS = (*((n, f"tiny_step-ring8-{n}-1a09e77") for n in (1, 2, 3, 4)), (5, "tiny_step-ring8-5-24825e3"))
 
 
 def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
@@ -1297,7 +1297,9 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     alone = _ratio_row(result("tiny_step-no-heartbeat-24825e3"), "nolog", "safe_bare / stock")
     assert alone["cpu_step_s"]["paired"]["min"] > 1.0
     hooks = result("strategy_cost-tiny-24825e3")["workloads"][0]["own_per_method_s"]
-    per_step = sum(v for k, v in hooks.items() if k not in ("reduce", "self.log wrapper"))  # what a step without a log pays
+    per_step = sum(
+        v for k, v in hooks.items() if k not in ("reduce", "self.log wrapper")
+    )  # what a step without a log pays
     assert 45e-6 < per_step < 55e-6 and "the strategy's per-step hooks, about 50 us of CPU" in row
 
 
@@ -2336,7 +2338,8 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
         assert (
             f"| {label} | {bare} | {safe['of_medians']:.3f} | {paired['median']:.3f} [{paired['min']:.3f}, "
             f"{paired['max']:.3f}] | {synced:.3f} | {bare_row['step_mean_s']['of_medians']:.3f} | "
-            f"{cpu['median']:.3f} [{cpu['min']:.3f}, {cpu['max']:.3f}] | {_bare_cpu_added(data) * 1e6:+.0f} |" in section
+            f"{cpu['median']:.3f} [{cpu['min']:.3f}, {cpu['max']:.3f}] | {_bare_cpu_added(data) * 1e6:+.0f} |"
+            in section
         ), label
     configs = {name: result(name)["config"]["bare_kwargs"] for _, name, _ in DIAGNOSIS_RUNS}
     assert configs["tiny_step-ring8-5-24825e3"] == {"desync_detection": False}
@@ -2361,7 +2364,8 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
     low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
     assert (
         f"the pool of five runs gives {nolog['of_medians']:.3f} without logging** (paired median "
-        f"{nolog['paired']['median']:.3f}; resampling runs, then rounds within them, [{low:.3f}, {high:.3f}])" in section
+        f"{nolog['paired']['median']:.3f}; resampling runs, then rounds within them, [{low:.3f}, {high:.3f}])"
+        in section
     )
     assert nolog["of_medians"] > 1.02 and "Point 3 is still not shown" in section
     fifth = _ratio_row(result("tiny_step-ring8-5-24825e3"), "nolog", "safe / stock")["step_mean_s"]
@@ -2371,8 +2375,11 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
     assert "in every one of the 10 rounds (by CPU" in section
     assert f"{_bare_cpu_added(result('tiny_step-no-heartbeat-24825e3')) * 1e6:.0f} us per step at the median" in section
     assert f"with every option off, {_bare_cpu_added(result('tiny_step-all-off-24825e3')) * 1e6:.0f} us (" in section
-    own = [r["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"] for r in map(result, configs)]
-    own = [o for o, (_, name, _) in zip(own, DIAGNOSIS_RUNS) if "pooled" not in name]
+    own = [
+        result(name)["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"]
+        for _, name, _ in DIAGNOSIS_RUNS
+        if "pooled" not in name
+    ]
     assert f"took {min(own) * 1e6:.1f} to {max(own) * 1e6:.1f} us per step in these runs" in section
     tiny = result("strategy_cost-tiny-24825e3")["workloads"][0]
     assert tiny["workload"] == "tiny" and tiny["steps"] == 600
@@ -2383,7 +2390,8 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
     rest = methods["on_train_batch_start"] + methods["optimizer_step"] + methods["post_backward"] + turns
     assert (
         f"{tiny['own_cpu_per_step_s'] * 1e6:.0f} us of own CPU per step, of which the log's `reduce` "
-        f"{methods['reduce'] * 1e6:.1f} us and its `self.log` wrapper {methods['self.log wrapper'] * 1e6:.1f} us" in section
+        f"{methods['reduce'] * 1e6:.1f} us and its `self.log` wrapper {methods['self.log wrapper'] * 1e6:.1f} us"
+        in section
     )
     assert (
         f"{rest * 1e6:.1f} us: `on_train_batch_start` {methods['on_train_batch_start'] * 1e6:.1f} (its beat once a "
@@ -2395,7 +2403,9 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
         for r in result("tiny_step-ring8-5-24825e3")["analysis"]["rows"]
         if r["mode"] == "nolog" and r["variant"] == "stock"
     )["cpu_step_s"]["median"]
-    assert f"That is {rest / stock * 100:.1f}% of stock's {stock * 1e3:.1f} ms of training-thread CPU per step" in section
+    assert (
+        f"That is {rest / stock * 100:.1f}% of stock's {stock * 1e3:.1f} ms of training-thread CPU per step" in section
+    )
     added = result("instructions_per_step-6c50b88")["modes"]["nolog"]["training"]
     assert f"({added['added'] / 1e3:.1f}k per step at 6c50b88" in section
 
@@ -2453,14 +2463,16 @@ def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_res
     assert f"no torch dump (the longest {longest['dump'] * 1e3:.3f} ms, as an epoch started), beat" in section
     assert (
         f"beat ({longest['beats'] * 1e3:.3f}), audit's dump at a step of its own ({longest['step_dumps'] * 1e3:.3f}), "
-        f"unpickling ({longest['step_unpickles'] * 1e3:.3f}) or parsing ({longest['step_parses'] * 1e3:.3f})"
-        in section
+        f"unpickling ({longest['step_unpickles'] * 1e3:.3f}) or parsing ({longest['step_parses'] * 1e3:.3f})" in section
     )
     in_step = max(f["step_dumps"]["MainThread"]["longest_cpu_s"] for f in safe_fits)
     assert longest["dump"] > in_step  # the longest torch dump was one as an epoch started
     before = [f for f in result("step_pauses-ring8-fbe7d99-3")["fits"] if f["variant"] == "safe"]
     over = [
-        (f["round"], d["cpu_s"]) for f in before for d in f["dumps"]["all"] if d["during_training"] and d["cpu_s"] > 1e-3
+        (f["round"], d["cpu_s"])
+        for f in before
+        for d in f["dumps"]["all"]
+        if d["during_training"] and d["cpu_s"] > 1e-3
     ] + [(f["round"], f["beats"]["MainThread"]["longest_cpu_s"]) for f in before]
     over = [o for o in over if o[1] > 1e-3]
     assert len(over) == 3 and len({r for r, _ in over}) == 1  # "three calls ... all in one fit"
@@ -2471,8 +2483,8 @@ def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_res
         if row["entries"] in (8, 16, 32)
     }
     assert (
-        f"{costs[8] * 1e3:.3f} ms at the median for 8 entries, {costs[16] * 1e3:.3f} for 16, {costs[32] * 1e3:.3f} for 32"
-        in section
+        f"{costs[8] * 1e3:.3f} ms at the median for 8 entries, {costs[16] * 1e3:.3f} for 16, "
+        f"{costs[32] * 1e3:.3f} for 32" in section
     )
     below = [(run, rnd) for run, rnd, gap, stock in gaps if gap["p999_s"] < stock["p999_s"]]
     assert len(below) == 5 and "below stock's in five rounds of six" in section
@@ -2486,7 +2498,8 @@ def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_res
     third = [(g, s) for r, _, g, s in gaps if r == "3"]
     assert all("longest" not in g for g, _ in second)  # run 2 came before the gaps were located
     assert all(
-        g["longest"]["after"] == "on_before_backward" and g["longest"]["before"] == "on_after_backward" for g, _ in third
+        g["longest"]["after"] == "on_before_backward" and g["longest"]["before"] == "on_after_backward"
+        for g, _ in third
     )
     assert (
         f"{ms(third[0][0], 'max_s')} and {ms(third[1][0], 'max_s')} ms against stock's {ms(third[0][1], 'max_s')} "

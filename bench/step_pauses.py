@@ -26,8 +26,13 @@ store operation, a sleep) or, for Python code only, after the switch interval (5
   its unpickling at the step after (``RecorderAudit._unpickle_fetched``, since it has its own step) and its parsing
   at the step after that (``RecorderAudit._parse_fetched``; ``BEAT_PARTS``);
 * **the gaps between consecutive training-step hooks** of a callback (``on_train_batch_start``, before and after
-  backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest and the 99.9th percentile,
-  stock against safe (what the training thread saw, the machine's own noise included).
+  backward, before the optimizer step and zeroing, ``on_train_batch_end``): the longest (with the hooks it lies
+  between and its step) and the 99.9th percentile, stock against safe (what the training thread saw, the machine's
+  own noise included).
+
+Each timed dump and beat part also records the thread's minor page faults, involuntary context switches and garbage
+collections during it (:class:`CallUsage`), and the report lists the training thread's calls over 1 ms of CPU with
+them: what a long call's CPU held besides its own work.
 
 Writes ``step_pauses.json`` and ``step_pauses.md`` into ``--results-dir`` (default ``bench/results``).
 """
@@ -133,7 +138,7 @@ class HookClock(Callback):
         self._last: float | None = None
         self._first = False  # in an epoch's first batch (the strategy's once-per-epoch audit dump: not counted)
         self._hook = ""  # the hook of the last tick
-        #: the longest gap: its seconds, the hooks it lies between, the batch of its epoch and the global step
+        #: the longest gap: its seconds, the hooks it lies between and the global step
         self.longest: dict[str, Any] = {"gap_s": 0.0}
 
     def _tick(self, trainer: pl.Trainer, hook: str = "") -> None:
@@ -323,9 +328,9 @@ class CallUsage:
 
     def __init__(self, collections_here: Callable[[], int]) -> None:
         self._collections_here = collections_here
-        self.wall, self.cpu = time.perf_counter(), time.thread_time()
-        self._usage = resource.getrusage(resource.RUSAGE_THREAD)
+        self._usage = resource.getrusage(resource.RUSAGE_THREAD)  # read before the clocks: not in the call's times
         self._collections = collections_here()
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
 
     def ended(self) -> dict[str, Any]:
         """The call's figures from its start: ``wall_s``, ``cpu_s``, ``minor_faults``, ``preempted``, ``gc``."""

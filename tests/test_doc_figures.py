@@ -2375,6 +2375,27 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
     assert "in every one of the 10 rounds (by CPU" in section
     assert f"{_bare_cpu_added(result('tiny_step-no-heartbeat-24825e3')) * 1e6:.0f} us per step at the median" in section
     assert f"with every option off, {_bare_cpu_added(result('tiny_step-all-off-24825e3')) * 1e6:.0f} us (" in section
+    shares = [
+        _ratio_row(result(f"tiny_step-{run}-24825e3"), "nolog", "safe / safe_bare")["cpu_step_s"]["paired"]["median"]
+        for run in ("no-heartbeat", "all-off")
+    ]
+    assert (
+        f"paired median {shares[0]:.3f} with no heartbeat thread at all (`no-heartbeat`) and {shares[1]:.3f} with every "
+        "option off" in section
+    )
+    aa = result("tiny_step-all-off-aa-6f71f7b")
+    assert aa["config"]["bare_kwargs"] == configs["tiny_step-all-off-24825e3"]
+    again, bare = (_ratio_row(aa, "nolog", ratio) for ratio in ("stock_again / stock", "safe_bare / stock"))
+    assert (
+        f"stock again / stock {again['step_mean_s']['of_medians']:.3f} by wall time (paired median "
+        f"{again['step_mean_s']['paired']['median']:.3f}) and {again['cpu_step_s']['paired']['median']:.3f} by CPU "
+        f"(paired median), safe_bare / stock {bare['step_mean_s']['of_medians']:.3f} by wall time (paired median "
+        f"{bare['step_mean_s']['paired']['median']:.3f}) and {bare['cpu_step_s']['paired']['median']:.3f} by CPU"
+        in section
+    )
+    by_cpu = [_ratio_row(result(n), "nolog", "safe_bare / stock")["cpu_step_s"]["paired"]["median"] for n in configs]
+    assert min([*by_cpu, bare["cpu_step_s"]["paired"]["median"]]) > 1.0  # "shows by CPU in every run"
+    assert bare["step_mean_s"]["of_medians"] <= 1.0005  # "by wall time not in every one"
     own = [
         result(name)["analysis"]["own_cpu_per_step"]["nolog"]["own_threads_s"]["median"]
         for _, name, _ in DIAGNOSIS_RUNS

@@ -2380,8 +2380,8 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
         for run in ("no-heartbeat", "all-off")
     ]
     assert (
-        f"paired median {shares[0]:.3f} with no heartbeat thread at all (`no-heartbeat`) and {shares[1]:.3f} with every "
-        "option off" in section
+        f"paired median {shares[0]:.3f} with no heartbeat thread at all (`no-heartbeat`) and {shares[1]:.3f} with "
+        "every option off" in section
     )
     aa = result("tiny_step-all-off-aa-6f71f7b")
     assert aa["config"]["bare_kwargs"] == configs["tiny_step-all-off-24825e3"]

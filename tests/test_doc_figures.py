@@ -2427,6 +2427,18 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
     assert (
         f"That is {rest / stock * 100:.1f}% of stock's {stock * 1e3:.1f} ms of training-thread CPU per step" in section
     )
+    counted = result("call_count-24825e3")["modes"]["nolog"]
+    calls, extra = counted["calls_per_step"], counted["added_per_step"]
+    before = result("call_count-72e9c5a")["modes"]["nolog"]["calls_per_step"]
+    assert (
+        f"makes {calls['safe'] - calls['stock']:.0f} calls per step more than stock's ({calls['safe']:.0f} against "
+        f"{calls['stock']:.0f}; {before['safe'] - before['stock']:.0f} more at 72e9c5a)" in section
+    )
+    turns = extra["<built-in method builtins.getattr>"] + extra["<built-in method builtins.callable>"]
+    functions = {name: n for name, n in extra.items() if ".py:" in name and n >= 0.5}
+    assert round(turns) == 36 and round(sum(functions.values())) == 14 and len(functions) == 13
+    assert "36 of them are Lightning's `getattr` and `callable` of the 18 hooks" in section
+    assert "14 are calls of Python functions" in section and functions["strategy.py:352(model)"] == 2
     added = result("instructions_per_step-6c50b88")["modes"]["nolog"]["training"]
     assert f"({added['added'] / 1e3:.1f}k per step at 6c50b88" in section
 

@@ -580,6 +580,11 @@ def _by_thread(summary: dict[str, Any]) -> str:
     )
 
 
+def _section(title: str, items: list[str]) -> list[str]:
+    """A report section: a blank line, ``title``, a blank line and ``items``; nothing without items."""
+    return ["", title, "", *items] if items else []
+
+
 def _usage_text(call: dict[str, Any]) -> str:
     """One call's :class:`CallUsage` figures as text."""
     collected = ", a garbage collection" if call.get("gc") else ""
@@ -715,27 +720,26 @@ def render(result: dict[str, Any]) -> list[str]:
             extra += f"; their parsing at the step after {after}: {parses}" if parses else ""
             extra += f"; the heartbeat thread's wake-ups, with the beats' store reads: {reads}" if reads else ""
             lines.append(f"- round {row['round']}: {text or 'none'}{extra}")
-    located = [r for r in result["fits"] if "longest" in r["hook_gaps"]]
-    if located:
-        lines += ["", "The longest step-hook gap of each fit: the hooks it lies between, the global step (ms):", ""]
-        for row in located:
-            longest = row["hook_gaps"]["longest"]
-            lines.append(
-                f"- round {row['round']}, {row['variant']}: {longest['gap_s'] * 1e3:.3f} from `{longest['after']}` to "
-                f"`{longest['before']}` at step {longest['step']}"
-            )
-    usage = [r for r in result["fits"] if r["variant"] == "safe" and "training_thread_over_1ms_cpu" in r["dumps"]]
-    if usage:
-        lines += [
-            "",
-            "The training thread's calls in the strategy over 1 ms of CPU (torch's dumps, beats, the audit's steps), "
-            "and what their CPU held (`getrusage(RUSAGE_THREAD)`: minor page faults, each a few microseconds of "
-            "kernel time; involuntary context switches; a garbage collection on that thread), and the longest of "
-            "each kind (ms CPU / wall):",
-            "",
-        ]
-        for row in usage:
-            lines.append(f"- round {row['round']}: {_training_thread_usage(row)}")
+    lines += _section(
+        "The longest step-hook gap of each fit: the hooks it lies between, the global step (ms):",
+        [
+            f"- round {row['round']}, {row['variant']}: {gap['gap_s'] * 1e3:.3f} from `{gap['after']}` to "
+            f"`{gap['before']}` at step {gap['step']}"
+            for row in result["fits"]
+            if (gap := row["hook_gaps"].get("longest"))
+        ],
+    )
+    lines += _section(
+        "The training thread's calls in the strategy over 1 ms of CPU (torch's dumps, beats, the audit's steps), "
+        "and what their CPU held (`getrusage(RUSAGE_THREAD)`: minor page faults, each a few microseconds of "
+        "kernel time; involuntary context switches; a garbage collection on that thread), and the longest of "
+        "each kind (ms CPU / wall):",
+        [
+            f"- round {row['round']}: {_training_thread_usage(row)}"
+            for row in result["fits"]
+            if row["variant"] == "safe" and "training_thread_over_1ms_cpu" in row["dumps"]
+        ],
+    )
     scheduled = [r for r in result["fits"] if r["variant"] == "safe" and "over_1ms_on_core" in r["background_holds"]]
     if scheduled:
         lines += [

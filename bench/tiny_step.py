@@ -18,7 +18,8 @@ and, for diagnosis (``--variants``, any of them in a group): ``stock_again`` (a 
 stock runs it at torch's default, 2000) and
 ``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``; ``--bare-recorder``
 gives its jobs torch's Flight Recorder at the strategy's size too, for a ``safe_bare`` without desync detection,
-which would leave torch's default);
+which would leave torch's default; ``--bare-without-step-hooks`` has it run ``DDPStrategy``'s ``on_train_batch_start``,
+``post_backward`` and ``optimizer_step`` instead of its own: what is left of the strategy is its set-up);
 each in two logging modes: ``nolog``, and ``sync_dist``: ``self.log("loss", loss, sync_dist=True)`` in every
 training step (for ``raw``, what that does in Lightning's ``_sync_ddp``: a barrier and an all-reduce of the loss).
 
@@ -98,6 +99,8 @@ LABELS = {
 #: SafeDDPStrategy gives it
 #: (``ddp_strategy.collective_record.TRACE_ENTRIES``, read when the jobs start)
 RECORDER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
+#: SafeDDPStrategy's own per-step methods, which ``--bare-without-step-hooks`` replaces by DDPStrategy's
+STEP_HOOKS = ("on_train_batch_start", "post_backward", "optimizer_step")
 RATIOS = (
     ("safe", "stock"),
     ("stock_again", "stock"),
@@ -277,6 +280,16 @@ class Baton:
 
 
 # ---------------------------------------------------------------------------------------------------- one rank
+def without_step_hooks(strategy: Any, stock: type) -> None:
+    """Diagnosis: ``strategy`` runs ``stock``'s (``DDPStrategy``'s) :data:`STEP_HOOKS` instead of its own.
+
+    Lightning looks each method up on the strategy instance at every step, so an instance attribute takes the class's
+    place: what is left of ``SafeDDPStrategy`` in a step is what its set-up changed.
+    """
+    for name in STEP_HOOKS:
+        setattr(strategy, name, getattr(stock, name).__get__(strategy))
+
+
 def fit_figures(steps: list[tuple[int, float, float, float]], config: dict[str, Any]) -> dict[str, Any]:
     """A fit's figures from its steps' (index, wall, thread CPU, process CPU) intervals: the timed steps only."""
     timed = [s for s in steps if is_timed(s[0], config)]
@@ -458,6 +471,8 @@ def worker(args: argparse.Namespace) -> None:
 
                 ddp_strategy.fork_safety.affected = lambda python=None: False  # type: ignore[assignment]
             strategy = SafeDDPStrategy(**config.get("bare_kwargs", BARE_KWARGS))
+            if config.get("bare_without_step_hooks"):
+                without_step_hooks(strategy, DDPStrategy)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD_SIZE,
@@ -765,6 +780,7 @@ def pooled(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             bare,
             config.get("bare_unpinned", False),
             config.get("bare_recorder", False),
+            config.get("bare_without_step_hooks", False),
             result["meta"].get("environment") or {},
         )
 
@@ -839,6 +855,11 @@ def markdown(result: dict[str, Any], analysis: dict[str, Any]) -> str:
             f" The safe_bare variant: `SafeDDPStrategy(**{config.get('bare_kwargs', BARE_KWARGS)!r})`"
             + (", gloo's worker threads without a kept Python thread state" if config.get("bare_unpinned") else "")
             + (", torch's Flight Recorder at the strategy's size" if config.get("bare_recorder") else "")
+            + (
+                ", `DDPStrategy`'s per-step methods instead of its own (`" + "`, `".join(STEP_HOOKS) + "`)"
+                if config.get("bare_without_step_hooks")
+                else ""
+            )
             + "."
             if "safe_bare" in variants_of(config)
             else ""
@@ -995,6 +1016,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="diagnosis: the safe_bare variant's jobs get torch's Flight Recorder at the strategy's size",
     )
+    parser.add_argument(
+        "--bare-without-step-hooks",
+        action="store_true",
+        help="diagnosis: the safe_bare variant runs DDPStrategy's per-step methods instead of its own (STEP_HOOKS)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds for a group's start-up, or one chunk")
     parser.add_argument("--report", type=Path, help="only redo the analysis and Markdown of this results JSON")
     parser.add_argument(
@@ -1046,6 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
         config["bare_unpinned"] = True
     if args.bare_recorder:
         config["bare_recorder"] = True
+    if args.bare_without_step_hooks:
+        config["bare_without_step_hooks"] = True
     if args.logs != 1:
         config["logs"] = args.logs
     out = args.out or RESULTS / ("tiny_step-quick" if args.quick else "tiny_step")

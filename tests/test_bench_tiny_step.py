@@ -341,3 +341,18 @@ def test_pooled_runs_keep_each_round_paired_within_its_own_run_and_refuse_other_
     other = full_run({**config, "variants": ["stock", "safe", "safe_bare"]}, fits(safe=(1.0, 1.0)))
     with pytest.raises(ValueError, match="other was not run as one was"):
         tiny.pooled([("one", first), ("other", other)])
+
+
+def test_the_strategy_without_its_step_hooks_runs_ddpstrategys_in_their_place():
+    """``--bare-without-step-hooks``: the instance's per-step methods are DDPStrategy's, bound to it; others its own."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from ddp_strategy import SafeDDPStrategy
+
+    strategy = SafeDDPStrategy()
+    tiny.without_step_hooks(strategy, DDPStrategy)
+    for name in tiny.STEP_HOOKS:
+        method = getattr(strategy, name)
+        assert method.__func__ is getattr(DDPStrategy, name) and method.__self__ is strategy
+        assert getattr(SafeDDPStrategy, name) is not getattr(DDPStrategy, name)  # the strategy has its own
+    assert strategy.reduce.__func__ is SafeDDPStrategy.reduce  # everything else stays the strategy's

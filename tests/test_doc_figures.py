@@ -2427,6 +2427,22 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
     assert (
         f"That is {rest / stock * 100:.1f}% of stock's {stock * 1e3:.1f} ms of training-thread CPU per step" in section
     )
+    hooks = result("tiny_step-all-off-no-hooks-7d13b74")
+    assert hooks["config"]["bare_without_step_hooks"] is True
+    assert hooks["config"]["safe_kwargs"] == hooks["config"]["bare_kwargs"] == configs["tiny_step-all-off-24825e3"]
+    share = _ratio_row(hooks, "nolog", "safe / safe_bare")["cpu_step_s"]
+    left = _ratio_row(hooks, "nolog", "safe_bare / stock")["cpu_step_s"]
+    assert (
+        f"safe / safe_bare by the training thread's CPU: {share['of_medians']:.3f} (paired median "
+        f"{share['paired']['median']:.3f} [{share['paired']['min']:.3f}, {share['paired']['max']:.3f}]); without them "
+        f"safe_bare / stock by CPU {left['of_medians']:.3f} (paired median {left['paired']['median']:.3f})" in section
+    )
+    assert left["paired"]["median"] < again["cpu_step_s"]["paired"]["median"]  # "within the A/A run's"
+    assert (
+        f"{(share['paired']['median'] - 1) * 100:.1f}% to {(share['of_medians'] - 1) * 100:.1f}% of its CPU" in section
+    )
+    walled = _ratio_row(hooks, "nolog", "safe / stock")["step_mean_s"]["of_medians"]
+    assert f"safe (every option off) / stock {walled:.3f}" in section
     counted = result("call_count-24825e3")["modes"]["nolog"]
     calls, extra = counted["calls_per_step"], counted["added_per_step"]
     before = result("call_count-72e9c5a")["modes"]["nolog"]["calls_per_step"]

@@ -2368,6 +2368,12 @@ def test_the_fifth_tiny_step_run_and_the_runs_without_background_work_are_the_re
         in section
     )
     assert nolog["of_medians"] > 1.02 and "Point 3 is still not shown" in section
+    loads = [result(part["run"])["meta"]["loadavg_start"][0] for part in pool["pooled_from"]]
+    assert loads[-1] < min(loads[:-1])  # "started on a less loaded machine than the four above"
+    assert (
+        f"load average {loads[-1]:.2f} at its start, {min(loads[:-1]):.2f} to {max(loads[:-1]):.2f} at theirs"
+        in section
+    )
     fifth = _ratio_row(result("tiny_step-ring8-5-24825e3"), "nolog", "safe / stock")["step_mean_s"]
     assert f"The fifth run alone: {fifth['of_medians']:.3f} (paired median {fifth['paired']['median']:.3f})" in section
     beat = _ratio_row(result("tiny_step-no-heartbeat-24825e3"), "nolog", "safe_bare / stock")["cpu_step_s"]["paired"]

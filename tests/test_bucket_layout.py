@@ -28,7 +28,8 @@ def _model() -> nn.Module:
 
 def _step(ddp: Any, keeper: BucketLayoutKeeper) -> None:
     ddp(torch.randn(4, 8)).sum().backward()
-    keeper.after_optimizer_step(ddp)  # as SafeDDPStrategy.optimizer_step does, after the update
+    if ddp is not keeper.settled:  # as SafeDDPStrategy.optimizer_step does, after the update
+        keeper.after_optimizer_step(ddp)
 
 
 def _layout(ddp: Any) -> list[list[str]]:
@@ -69,10 +70,18 @@ def _rank(rank: int, port: int, queue: multiprocessing.Queue) -> None:  # type: 
         with keeper.constructing(module):
             ddp = DistributedDataParallel(module)
         out["constructed"], out["state_before"] = _layout(ddp), keeper.state()
+        out["settled_before"] = keeper.settled is None
         _step(ddp, keeper)
         out["rebuilt"], out["state"] = _layout(ddp), keeper.state()
+        out["settled_after"] = keeper.settled is ddp
         _step(ddp, keeper)
         out["still"] = _layout(ddp)
+        # a wrapper built without `constructing` (as a change of the trainable set rebuilds one): not settled, so
+        # the next step's call takes it over and runs its rebuild
+        other = DistributedDataParallel(_model())
+        out["other_unsettled"] = other is not keeper.settled
+        _step(other, keeper)
+        out["other_settled"], out["other_rebuilt"] = keeper.settled is other, _layout(other)
         section = {BUCKET_LAYOUT_KEY: out["state"]}
 
         # a resumed run: its first step reduces with the saved layout; its own rebuild agrees, nothing is named
@@ -129,6 +138,8 @@ def test_the_layout_is_rebuilt_after_the_first_optimizer_step_and_kept(ranks):
     for out in ranks.values():
         assert out["constructed"] == [FORWARD] and out["state_before"] is None  # nothing to save before the rebuild
         assert out["rebuilt"] == [BACKWARD] and out["still"] == [BACKWARD]
+        assert out["settled_before"] and out["settled_after"]  # one rebuild per wrapper, then an identity test
+        assert out["other_unsettled"] and out["other_settled"] and out["other_rebuilt"] == [BACKWARD]
         assert out["state"]["buckets"] == [BACKWARD] and out["state"]["reduction"] == {"backend": "gloo"}
 
 

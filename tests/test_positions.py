@@ -43,21 +43,20 @@ def test_a_training_steps_position_is_built_when_read_and_published_with_the_hea
     from ddp_strategy.store_barrier import POSITION_KEY
 
     store = dist.HashStore()
-    seqs = iter(range(10, 100))
-    beat = Heartbeat(
-        rank=1, world_size=2, interval=0, store=store, desync_agreed=lambda: False,
-        seq=lambda: next(seqs),
-    )  # fmt: skip
+    beat = Heartbeat(rank=1, world_size=2, interval=0, store=store, desync_agreed=lambda: False)
+    beat.next_barrier = 10  # as the control plane sets it after each barrier
     beat.note_step(5, batch=6, epoch=0, epoch_batch=6)
     first = beat.position
     assert (first.kind, first.name, first.batch, first.seq) == ("training step", "5", 6, 10)
     assert beat.position is first  # no new step: the same object
+    beat.next_barrier = 11
     beat.note_step(6, batch=7, epoch=0, epoch_batch=7)
     second = beat.position
     assert second is not first and (second.name, second.batch, second.seq) == ("6", 7, 11)
     barrier = Position(kind="barrier", name="save", seq=12, since=1.0)
     beat.position = barrier  # the control plane's positions replace the step's note
     assert beat.position is barrier
+    beat.next_barrier = 12
     beat.note_step(7, batch=8, epoch=1, epoch_batch=1)
     beat.set_waiting("collective 0#9", 3.0)
     beat.set_ledger(4, 99)

@@ -149,7 +149,7 @@ class BucketLayoutKeeper:
           wrapped;
         - :meth:`constructing` around the construction of the DDP wrapper;
         - :meth:`after_optimizer_step` after every optimizer step, on every rank (it may run DDP's rebuild, which
-          broadcasts);
+          broadcasts), unless the wrapper is :attr:`settled`;
         - :meth:`state` for the checkpoint entry (``None``: DDP has not rebuilt, the construction layout is in use,
           and a resumed run starts with the same).
     """
@@ -161,6 +161,9 @@ class BucketLayoutKeeper:
         self._current: BucketLayout | None = None  # the current wrapper's layout after its rebuild
         self._wrapper: DistributedDataParallel | None = None  # the wrapper _current belongs to
         self._rebuilt = False
+        #: The wrapper whose rebuild has run: until a new wrapper is built, :meth:`after_optimizer_step` has nothing
+        #: to do (an identity test per step instead of a call).
+        self.settled: DistributedDataParallel | None = None
         #: Why the last resumed run may reduce differently from the saved one (``None``: it reduces alike).
         self.mismatch: str | None = None
 
@@ -174,6 +177,7 @@ class BucketLayoutKeeper:
         """Build the DDP wrapper of ``module`` inside: it starts with the resumed checkpoint's layout, if any."""
         saved, self._saved = self._saved, None
         self._applied, self._current, self._wrapper, self._rebuilt = None, None, None, False
+        self.settled = None
         if saved is None:
             yield
             return
@@ -201,7 +205,7 @@ class BucketLayoutKeeper:
             self._wrapper, self._current, self._rebuilt = model, None, False
         if self._rebuilt or not rebuild_ddp_buckets(model):
             return
-        self._rebuilt = True
+        self._rebuilt, self.settled = True, model
         self._current = BucketLayout.of(model)
         difference = self._current.bucket_difference(self._applied) if self._applied is not None else None
         if difference is not None:

@@ -145,7 +145,6 @@ class ControlPlane(ControlAgreement):
             interval=heartbeat_interval,
             store=heartbeat_store if heartbeat_store is not None else store,
             desync_agreed=lambda: self.desync_error is not None,
-            seq=lambda: self._seq,
         )
         # a barrier's blocking wait, on a connection of its own: opened now, so that no wait (an error's included)
         # pays for a new connection (a TCP connect, and a name lookup that can take seconds on some hosts)
@@ -270,7 +269,7 @@ class ControlPlane(ControlAgreement):
         name = name or _UNNAMED
         site = call_site(skip=2) if site is None else site
         seq = self._seq
-        self._seq += 1
+        self._seq = self.heartbeat.next_barrier = seq + 1
         entered = time.time()
         self.heartbeat.position = Position(kind="barrier", name=name, site=site, seq=seq, since=entered)
         if self.world_size == 1:

@@ -132,7 +132,6 @@ class Heartbeat:
             :data:`RANKS_PER_INTERVAL` ranks.
         store: the heartbeat thread's own connection to the run's namespace of the store.
         desync_agreed: whether the ranks agreed on a desync (going down: rank 0's store may be gone any moment).
-        seq: the sequence number of the control plane's next barrier (recorded in a training step's position).
 
     """
 
@@ -144,7 +143,6 @@ class Heartbeat:
         interval: float,
         store: Store,
         desync_agreed: Callable[[], bool],
-        seq: Callable[[], int] = lambda: 0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -174,7 +172,9 @@ class Heartbeat:
         self._store = store
         self._next_publish = math.inf  # time.monotonic() of the next publication (none without a heartbeat thread)
         self._desync_agreed = desync_agreed
-        self._seq = seq
+        #: the sequence number of the control plane's next barrier, recorded in a training step's position: an
+        #: attribute the control plane sets, read by every step (no call)
+        self.next_barrier = 0
         self._hooks: list[Callable[[Store], None]] = []
         self._failures_read = False  # whether a hook read the failure counter during this beat (read_with_failures)
         self._failures_seen = 0  # the failure count when this rank last read the first failure
@@ -272,7 +272,7 @@ class Heartbeat:
             epoch_batch: how many batches of that epoch this rank has started, this one included.
 
         """
-        self._current = (step, batch, time.time(), self._seq())  # see `position`: built when read
+        self._current = (step, batch, time.time(), self.next_barrier)  # see `position`: built when read
         self.step = step
         if epoch is not None:
             self.progress = (epoch, epoch_batch)

@@ -291,9 +291,13 @@ class SafeDDPStrategy(DDPStrategy):
         self, optimizer: Any, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
     ) -> Any:
         """Lightning's step; the update waits for a pending snapshot, then DDP's bucket rebuild runs (bucket_layout)."""
-        closure = self._saving.closure_waiting_for_snapshot(closure)
+        # Every step: attribute tests where there is nothing to do (no asynchronous writer; the rebuild has run)
+        if self._saving.writer is not None:
+            closure = self._saving.closure_waiting_for_snapshot(closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.bucket_layout.after_optimizer_step(self.model)  # a checkpoint from now on holds the next step's layout
+        wrapper = self.model
+        if wrapper is not self.bucket_layout.settled:  # a checkpoint from now on holds the next step's layout
+            self.bucket_layout.after_optimizer_step(wrapper)
         return output
 
     # ------------------------------------------------------------------ collectives

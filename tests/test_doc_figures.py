@@ -1243,7 +1243,11 @@ def test_step_pauses_with_garbage_collections_apart_are_the_result_file():
 
 
 #: the tiny-step runs with the Flight Recorder's ring of 8 (README.md's tiny-model row; bench/README.md)
-RING8_RUNS = (*((n, f"tiny_step-ring8-{n}-1a09e77") for n in (1, 2, 3, 4)), (5, "tiny_step-ring8-5-24825e3"))
+RING8_RUNS = (
+    *((n, f"tiny_step-ring8-{n}-1a09e77") for n in (1, 2, 3, 4)),
+    (5, "tiny_step-ring8-5-24825e3"),
+    (6, "tiny_step-ring8-6-724a2e9"),
+)
 
 
 def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
@@ -1270,7 +1274,8 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     assert (
         f"{min(ring16):.3f} to {max(ring16):.3f} by run with the ring of 16 ({pooled['of_medians']:.3f} pooled" in row
     )
-    assert "four with the ring of 16 (until 2026-12-02), four with today's ring of 8" in row and len(ring16) == 4
+    assert "four with the ring of 16 (until 2026-12-02), six with today's ring of 8" in row and len(ring16) == 4
+    assert len(RING8_RUNS) == 6
     beat = _ratio_row(result("tiny_step-intel-inline-beat-96bc357"), "nolog", "safe / stock")["step_mean_s"]
     assert (
         f"{beat['of_medians']:.3f} in one run since the heartbeat's beat moved to the training thread (96bc357; "
@@ -1285,11 +1290,11 @@ def test_readme_tiny_step_row_is_the_eight_runs_of_the_current_package_code():
     )
     ring8 = [_ratio_row(result(name), "nolog", "safe / stock") for _, name in RING8_RUNS]
     means = [r["step_mean_s"]["of_medians"] for r in ring8]
-    pool8 = result("tiny_step-pooled-ring8-5-runs-24825e3")
+    pool8 = result("tiny_step-pooled-ring8-6-runs-724a2e9")
     assert [s["run"] for s in pool8["pooled_from"]] == [name for _, name in RING8_RUNS]
     share = _ratio_row(pool8, "nolog", "safe / safe_bare")["step_mean_s"]["of_medians"]
     assert (
-        f"{_ratio_row(pool8, 'nolog', 'safe / stock')['step_mean_s']['of_medians']:.3f} pooled over five runs with "
+        f"{_ratio_row(pool8, 'nolog', 'safe / stock')['step_mean_s']['of_medians']:.3f} pooled over six runs with "
         f"the ring of 8 ({min(means):.3f} to {max(means):.3f} by run; desync detection's share {share:.3f}; with no "
         "background thread at all the excess stays" in row
     )
@@ -2472,20 +2477,41 @@ USAGE_RUNS = (
 )
 
 
-def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_result_files():
-    """bench/README.md's three step_pauses runs with the calls' usage counts: table rows and the figures under it."""
-    heading = "#### The training thread's long calls, with their page faults and preemptions"
-    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+#: the training thread's timed calls at steps of their own, as bench/step_pauses.py names them in its results
+USAGE_KINDS = ("beats", "step_dumps", "step_unpickles", "step_parses")
 
-    def ms(call: dict[str, Any], key: str) -> str:
-        return f"{call[key] * 1e3:.3f}"
+
+def _ms(call: dict[str, Any], key: str) -> str:
+    """``call[key]`` (seconds) in milliseconds, as bench/README.md's step_pauses tables give it."""
+    return f"{call[key] * 1e3:.3f}"
+
+
+def _usage_row(run: object, fit: dict[str, Any], stock_gaps: dict[str, Any]) -> str:
+    """A safe fit's row of bench/README.md's step_pauses tables with the calls' usage counts (ms wall / CPU)."""
+    ms = _ms
 
     def part(summary: dict[str, Any]) -> str:
         row = summary["MainThread"]
         return f"{row['count']} ({ms(row, 'longest_wall_s')} / {ms(row, 'longest_cpu_s')})"
 
-    longest: dict[str, float] = {}
-    kinds = ("beats", "step_dumps", "step_unpickles", "step_parses")
+    holds, gap = fit["background_holds"], fit["hook_gaps"]
+    dumps = [d for d in fit["dumps"]["all"] if d["during_training"]]
+    return (
+        f"| {run}, {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
+        f"{holds['over_1ms_on_core']} | {ms(holds['longest'], 'cpu_s')} | "
+        + " | ".join(part(fit[kind]) for kind in USAGE_KINDS)
+        + f" | {len(dumps)} ({max(d['wall_s'] for d in dumps) * 1e3:.3f} / "
+        f"{max(d['cpu_s'] for d in dumps) * 1e3:.3f}) | {sum(d['minor_faults'] for d in dumps)} | "
+        f"{ms(gap, 'p999_s')} / {ms(stock_gaps, 'p999_s')} | {ms(gap, 'max_s')} / {ms(stock_gaps, 'max_s')} |"
+    )
+
+
+def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_result_files():
+    """bench/README.md's three step_pauses runs with the calls' usage counts: table rows and the figures under it."""
+    heading = "#### The training thread's long calls, with their page faults and preemptions"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+
+    ms, longest, kinds = _ms, dict[str, float](), USAGE_KINDS
     safe_fits, gaps = [], []
     for run, name in USAGE_RUNS:
         fits = result(name)["fits"]
@@ -2493,16 +2519,7 @@ def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_res
         for fit in (f for f in fits if f["variant"] == "safe"):
             holds, gap = fit["background_holds"], fit["hook_gaps"]
             dumps = [d for d in fit["dumps"]["all"] if d["during_training"]]
-            row = (
-                f"| {run}, {fit['round']} | {holds['stretches']} | {holds['over_1ms']} | {holds['over_1ms_wall']} | "
-                f"{holds['over_1ms_on_core']} | {ms(holds['longest'], 'cpu_s')} | "
-                + " | ".join(part(fit[kind]) for kind in kinds)
-                + f" | {len(dumps)} ({max(d['wall_s'] for d in dumps) * 1e3:.3f} / "
-                f"{max(d['cpu_s'] for d in dumps) * 1e3:.3f}) | {sum(d['minor_faults'] for d in dumps)} | "
-                f"{ms(gap, 'p999_s')} / {ms(stock[fit['round']], 'p999_s')} | {ms(gap, 'max_s')} / "
-                f"{ms(stock[fit['round']], 'max_s')} |"
-            )
-            assert row in section, (run, fit["round"])
+            assert _usage_row(run, fit, stock[fit["round"]]) in section, (run, fit["round"])
             safe_fits.append(fit)
             gaps.append((run, fit["round"], gap, stock[fit["round"]]))
             longest["stretch"] = max(longest.get("stretch", 0.0), holds["longest"]["cpu_s"])
@@ -2560,3 +2577,104 @@ def test_the_step_pauses_runs_with_each_calls_faults_and_preemptions_are_the_res
         f"{ms(third[0][0], 'max_s')} and {ms(third[1][0], 'max_s')} ms against stock's {ms(third[0][1], 'max_s')} "
         f"and {ms(third[1][1], 'max_s')}" in section
     )
+
+
+def test_the_three_calls_fewer_and_the_sixth_tiny_step_run_are_the_result_files():
+    """bench/README.md's section on 9d30435's three calls fewer per step, the sixth tiny-step run, its pool of six and
+    the fourth step_pauses run with the calls' usage counts."""
+    heading = "#### Three calls fewer per step, a sixth tiny-step run and a fourth run of the long calls"
+    text = (ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0]
+    section = " ".join(text.split())
+    # counted
+    now, before = result("call_count-9d30435")["modes"], result("call_count-24825e3")["modes"]
+    calls = {mode: {k: round(v) for k, v in now[mode]["calls_per_step"].items()} for mode in now}
+    added = {mode: calls[mode]["safe"] - calls[mode]["stock"] for mode in calls}
+    was = {
+        mode: round(before[mode]["calls_per_step"]["safe"] - before[mode]["calls_per_step"]["stock"]) for mode in before
+    }
+    functions = sum(round(v) for k, v in now["nolog"]["added_per_step"].items() if ".py:" in k and v > 0.99)
+    assert (
+        f"makes {added['nolog']} calls per step more than stock's ({calls['nolog']['safe']} against "
+        f"{calls['nolog']['stock']}; {was['nolog']} at 24825e3), {functions} of them Python functions; with the "
+        f"`sync_dist` log {added['sync_dist']} more ({was['sync_dist']} at 24825e3)" in section
+    )
+    gone = ("saving.py:123(closure_waiting_for_snapshot)", "bucket_layout.py:196(after_optimizer_step)")
+    assert functions == 11 and all(before["nolog"]["added_per_step"][k] == 1.0 for k in gone)
+    assert not any(k in now["nolog"]["added_per_step"] for k in (*gone, "control.py:148(<lambda>)"))
+    # timed against the commit before
+    ab = result("strategy_cost_ab-fold-9d30435")
+    assert ab["base"].startswith("724a2e9") and ab["head"].startswith("9d30435") and len(ab["runs"]) == 5
+    own = ab["analysis"]["tiny"]["own"]
+    assert f"paired median {own['median']:.3f} [{own['range'][0]:.3f}, {own['range'][1]:.3f}]" in section
+    base = [r["base"]["tiny"]["own"] for r in ab["runs"]]
+    saved = statistics.median(r["base"]["tiny"]["own"] - r["head"]["tiny"]["own"] for r in ab["runs"])
+    assert f"a paired median of {saved:.1f} us against the base's {statistics.median(base):.1f}" in section
+    cost, earlier = (result(f"strategy_cost-tiny-{c}")["workloads"][0] for c in ("9d30435", "24825e3"))
+    assert (
+        f"the own CPU per step was {cost['own_cpu_per_step_s'] * 1e6:.0f} us "
+        f"({earlier['own_cpu_per_step_s'] * 1e6:.0f} "
+        f"at 24825e3, in an hour whose steps took {earlier['step_cpu_median_s'] * 1e3:.1f} ms of CPU against "
+        f"{cost['step_cpu_median_s'] * 1e3:.1f} in this one" in section
+    )
+    # the sixth tiny-step run and the pool of six
+    sixth = result("tiny_step-ring8-6-724a2e9")
+    assert (
+        sixth["meta"]["git"] == "commit 724a2e9"
+        and f"load average of {sixth['meta']['loadavg_start'][0]:.2f}" in section
+    )
+    safe = _ratio_row(sixth, "nolog", "safe / stock")
+    paired, cpu = safe["step_mean_s"]["paired"], safe["cpu_step_s"]["paired"]["median"]
+    synced = _ratio_row(sixth, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"]
+    assert (
+        f"safe/stock {safe['step_mean_s']['of_medians']:.3f} without logging (paired median {paired['median']:.3f} "
+        f"[{paired['min']:.3f}, {paired['max']:.3f}]; by the training thread's CPU, paired median {cpu:.3f}), "
+        f"{synced:.3f} with the `sync_dist` log" in section
+    )
+    parts = next(r for r in sixth["analysis"]["step_breakdown"] if (r["mode"], r["variant"]) == ("nolog", "safe"))
+    us = {k: parts[f"{k}_added"]["median"] * 1e6 for k in ("step_mean_s", "cpu_step_s", "runqueue_wait_s", "asleep_s")}
+    assert (
+        f"safe's mean step was {us['step_mean_s']:.0f} us longer than stock's in the same round (median), of which its "
+        f"training thread ran {us['cpu_step_s']:.0f} us more, waited {us['runqueue_wait_s']:.0f} us more for a core "
+        f"and slept {us['asleep_s']:.0f} us more" in section
+    )
+    pool = result("tiny_step-pooled-ring8-6-runs-724a2e9")
+    assert [s["run"] for s in pool["pooled_from"]] == [name for _, name in RING8_RUNS]
+    row = _ratio_row(pool, "nolog", "safe / stock")["step_mean_s"]
+    interval = pool["analysis"]["run_resampled_interval"]["nolog"]
+    rounds = sum(result(name)["config"]["rounds"] for _, name in RING8_RUNS)
+    assert (
+        f"{rounds} rounds): **{row['of_medians']:.3f} without logging** (paired median {row['paired']['median']:.3f} "
+        f"[{row['paired']['min']:.3f}, {row['paired']['max']:.3f}]; resampling runs, then rounds within them, "
+        f"[{interval[0]:.3f}, {interval[1]:.3f}]), "
+        f"{_ratio_row(pool, 'sync_dist', 'safe / stock')['step_mean_s']['of_medians']:.3f} with the `sync_dist`"
+        in section
+    )
+    assert row["of_medians"] > 1.02 and "Point 3 is still not shown" in section
+    # the fourth step_pauses run
+    fits = result("step_pauses-fold-9d30435")["fits"]
+    stock = {f["round"]: f["hook_gaps"] for f in fits if f["variant"] == "stock"}
+    safe_fits = [f for f in fits if f["variant"] == "safe"]
+    assert len(safe_fits) == 2 and all(_usage_row(4, f, stock[f["round"]]) in text for f in safe_fits)
+    dumps = [d for f in safe_fits for d in f["dumps"]["all"] if d["during_training"]]
+    stretch = max(f["background_holds"]["longest"]["cpu_s"] for f in safe_fits)
+    calls = [f[kind]["MainThread"]["longest_cpu_s"] for f in safe_fits for kind in USAGE_KINDS]
+    assert max(stretch, *calls, *(d["cpu_s"] for d in dumps)) < 1e-3
+    assert (
+        f"(the longest background stretch {stretch * 1e3:.3f} ms, the longest torch dump "
+        f"{max(d['cpu_s'] for d in dumps) * 1e3:.3f} ms of CPU)" in section
+    )
+    slow = max(dumps, key=lambda d: d["wall_s"])
+    assert slow["preempted"] == 1 and (
+        f"one torch dump took {slow['wall_s'] * 1e3:.3f} ms of wall time for {slow['cpu_s'] * 1e3:.3f} ms of CPU, "
+        "preempted once" in section
+    )
+    assert all(f["hook_gaps"]["p999_s"] < stock[f["round"]]["p999_s"] for f in safe_fits)
+    longest = {(f["round"], f["variant"]): f["hook_gaps"] for f in fits}
+    assert all(longest[(1, v)]["longest"]["after"] == "on_train_batch_start" for v in ("safe", "stock"))
+    assert all(longest[(1, v)]["longest"]["before"] == "on_before_zero_grad" for v in ("safe", "stock"))
+    assert longest[(2, "safe")]["longest"]["after"] == "on_before_backward"
+    assert (
+        f"{_ms(longest[(1, 'safe')], 'max_s')} ms against {_ms(longest[(1, 'stock')], 'max_s')}; round 2's safe one "
+        f"in the backward" in section
+    )
+    assert f"{_ms(longest[(2, 'safe')], 'max_s')} ms against stock's {_ms(longest[(2, 'stock')], 'max_s')}" in section

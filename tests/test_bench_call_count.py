@@ -89,3 +89,14 @@ def test_an_opcode_count_reads_as_bytecode_instructions():
     assert "Python bytecode instructions per training step" in lines[0]
     assert "Bytecode instructions per step added by safe, nolog (largest 40; negative: fewer than stock):" in lines
     assert "- `call.py:203(_call_callback_hooks)` +252.00" in lines
+
+
+def test_stocks_abort_at_exit_after_writing_its_counts_is_a_finished_fit_and_nothing_else_is():
+    import signal
+
+    abort = -signal.SIGABRT
+    assert calls.fit_finished("stock", 0, True) and calls.fit_finished("safe", 0, True)
+    assert calls.fit_finished("stock", abort, wrote=True)  # gloo's abort at interpreter exit (tests/proc.py)
+    assert not calls.fit_finished("stock", abort, wrote=False)  # died before its counts
+    assert not calls.fit_finished("safe", abort, wrote=True)  # SafeDDPStrategy destroys its group: no such abort
+    assert not calls.fit_finished("stock", 1, wrote=True)

@@ -2609,6 +2609,17 @@ def test_the_three_calls_fewer_and_the_sixth_tiny_step_run_are_the_result_files(
     base = [r["base"]["tiny"]["own"] for r in ab["runs"]]
     saved = statistics.median(r["base"]["tiny"]["own"] - r["head"]["tiny"]["own"] for r in ab["runs"])
     assert f"a paired median of {saved:.1f} us against the base's {statistics.median(base):.1f}" in section
+    mlp = result("strategy_cost_ab-fold-mlp-b4ab843")
+    assert mlp["base"].startswith("724a2e9") and mlp["head"].startswith("b4ab843") and len(mlp["runs"]) == 5
+    own, thread = mlp["analysis"]["mlp"]["own"], mlp["analysis"]["mlp"]["training thread"]
+    lower = sum(r < 1 for r in thread["ratios"])
+    assert (
+        f"own CPU per step paired median {own['median']:.3f} [{own['range'][0]:.3f}, {own['range'][1]:.3f}], the "
+        f"training thread's part {thread['median']:.3f} [{thread['range'][0]:.3f}, {thread['range'][1]:.3f}], lower "
+        f"in {['no', 'one', 'two', 'three', 'four', 'five'][lower]} rounds of five" in section
+    )
+    base_mlp = [r["base"]["mlp"]["own"] for r in mlp["runs"]]
+    assert f"the base's own CPU per step {min(base_mlp):.1f} to {max(base_mlp):.1f} us" in section
     cost, earlier = (result(f"strategy_cost-tiny-{c}")["workloads"][0] for c in ("9d30435", "24825e3"))
     assert (
         f"the own CPU per step was {cost['own_cpu_per_step_s'] * 1e6:.0f} us "

@@ -79,6 +79,23 @@ def test_barrier_passes_when_every_rank_arrives_repeatedly():
     assert all(p.heartbeat.position.kind == "barrier" and p.heartbeat.position.name == "b4" for p in planes)
 
 
+def test_a_training_step_after_barriers_records_the_next_barriers_number():
+    """The heartbeat reads the next barrier's number from an attribute each barrier sets (no call per step)."""
+    planes = make_planes(2, heartbeat=0)
+
+    def two_barriers_then_a_step(plane: ControlPlane) -> None:
+        plane.barrier("first")
+        plane.barrier("second")
+        plane.heartbeat.note_step(7, batch=8, epoch=0, epoch_batch=8)
+
+    assert run_ranks(planes, two_barriers_then_a_step) == {0: None, 1: None}
+    for plane in planes:
+        position = plane.heartbeat.position
+        assert (position.kind, position.name, position.seq) == ("training step", "7", 2)
+        assert plane.heartbeat.next_barrier == plane._seq == 2
+        plane.close()
+
+
 def test_barrier_reached_by_rank0_only_names_missing_rank_and_its_position():
     planes = make_planes(2, timeout=1.0)
 

@@ -129,6 +129,9 @@ def main() -> None:
     parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--name", default="strategy_cost_ab")
     args = parser.parse_args()
+    # the checkout's commit and state as the runs start (a commit made while they run would otherwise name them)
+    head = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "src", "bench"))
     base, tree = checkout(args.base)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,8 +145,8 @@ def main() -> None:
             runs.append(pair)
     result = {
         "base": base,
-        "head": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "src", "bench")),
+        "head": head,
+        "dirty": dirty,
         "steps": args.steps,
         "runs": runs,
         "analysis": analyse(runs, args.workloads),

@@ -2661,6 +2661,30 @@ def test_the_three_calls_fewer_and_the_sixth_tiny_step_run_are_the_result_files(
         in section
     )
     assert row["of_medians"] > 1.02 and "Point 3 is still not shown" in section
+    # the two runs with the three calls fewer, and their pool
+    fold = [result(f"tiny_step-fold-{n}-c0d3705") for n in (1, 2)]
+    assert all(r["meta"]["git"] == "commit c0d3705" for r in fold)
+    loads = " and ".join(f"{r['meta']['loadavg_start'][0]:.2f}" for r in fold)
+    nolog = [_ratio_row(r, "nolog", "safe / stock")["step_mean_s"] for r in fold]
+    synced = [_ratio_row(r, "sync_dist", "safe / stock")["step_mean_s"]["of_medians"] for r in fold]
+    assert (
+        f"load averages of {loads}): safe/stock without logging {nolog[0]['of_medians']:.3f} and "
+        f"{nolog[1]['of_medians']:.3f} (paired medians {nolog[0]['paired']['median']:.3f} and "
+        f"{nolog[1]['paired']['median']:.3f}), with the `sync_dist` log {synced[0]:.3f} and {synced[1]:.3f}" in section
+    )
+    both = result("tiny_step-pooled-fold-2-runs-c0d3705")
+    assert [s["run"] for s in both["pooled_from"]] == [f"tiny_step-fold-{n}-c0d3705" for n in (1, 2)]
+    two = _ratio_row(both, "nolog", "safe / stock")["step_mean_s"]
+    low, high = both["analysis"]["run_resampled_interval"]["nolog"]
+    assert (
+        f"20 rounds) {two['of_medians']:.3f} without logging (paired median {two['paired']['median']:.3f}, resampled "
+        f"[{low:.3f}, {high:.3f}]) and "
+        f"{_ratio_row(both, 'sync_dist', 'safe / stock')['step_mean_s']['of_medians']:.3f} with it" in section
+    )
+    assert (
+        nolog[0]["of_medians"] <= 1.02 < nolog[1]["of_medians"]
+        and nolog[1]["of_medians"] - 1.02 > row["of_medians"] - 1.02
+    )
     # the fourth step_pauses run
     fits = result("step_pauses-fold-9d30435")["fits"]
     stock = {f["round"]: f["hook_gaps"] for f in fits if f["variant"] == "stock"}

@@ -92,7 +92,7 @@ def test_a_training_step_after_barriers_records_the_next_barriers_number():
     for plane in planes:
         position = plane.heartbeat.position
         assert (position.kind, position.name, position.seq) == ("training step", "7", 2)
-        assert plane.heartbeat.next_barrier == plane._seq == 2
+        assert plane.heartbeat.next_barrier == 2
         plane.close()
 
 
@@ -273,7 +273,7 @@ def run_agreeing(
         try:
             results[plane.rank] = fn(plane)
         finally:
-            barriers[plane.rank] = plane._seq
+            barriers[plane.rank] = plane.heartbeat.next_barrier
 
     outcome = run_ranks(planes, target)
     return outcome, results, objects, barriers

@@ -160,7 +160,6 @@ class BucketLayoutKeeper:
         self._applied: BucketLayout | None = None  # the saved layout the current wrapper was built with
         self._current: BucketLayout | None = None  # the current wrapper's layout after its rebuild
         self._wrapper: DistributedDataParallel | None = None  # the wrapper _current belongs to
-        self._rebuilt = False
         #: The wrapper whose rebuild has run: until a new wrapper is built, :meth:`after_optimizer_step` has nothing
         #: to do (an identity test per step instead of a call).
         self.settled: DistributedDataParallel | None = None
@@ -176,8 +175,7 @@ class BucketLayoutKeeper:
     def constructing(self, module: nn.Module) -> Iterator[None]:
         """Build the DDP wrapper of ``module`` inside: it starts with the resumed checkpoint's layout, if any."""
         saved, self._saved = self._saved, None
-        self._applied, self._current, self._wrapper, self._rebuilt = None, None, None, False
-        self.settled = None
+        self._applied, self._current, self._wrapper, self.settled = None, None, None, None
         if saved is None:
             yield
             return
@@ -202,10 +200,10 @@ class BucketLayoutKeeper:
         if not isinstance(model, DistributedDataParallel):
             return
         if model is not self._wrapper:
-            self._wrapper, self._current, self._rebuilt = model, None, False
-        if self._rebuilt or not rebuild_ddp_buckets(model):
+            self._wrapper, self._current, self.settled = model, None, None
+        if self.settled is model or not rebuild_ddp_buckets(model):
             return
-        self._rebuilt, self.settled = True, model
+        self.settled = model
         self._current = BucketLayout.of(model)
         difference = self._current.bucket_difference(self._applied) if self._applied is not None else None
         if difference is not None:
@@ -213,7 +211,7 @@ class BucketLayoutKeeper:
 
     def state(self) -> dict[str, Any] | None:
         """The checkpoint entry: the layout the next step reduces with, or ``None`` for DDP's construction layout."""
-        layout = self._current if self._rebuilt else self._applied
+        layout = self._current if self.settled is not None else self._applied
         return layout.to_dict() if layout is not None else None
 
     def _name_mismatch(self, what: str) -> None:

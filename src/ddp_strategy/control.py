@@ -134,7 +134,6 @@ class ControlPlane(ControlAgreement):
         self.timeout = timeout
         self._store = store
         self._group = group
-        self._seq = 0
         self._store_factory = store_factory
         #: the desync every rank agreed on (see :mod:`ddp_strategy.desync`); a waiting barrier raises it at once
         self.desync_error: CollectiveMismatchError | None = None
@@ -268,8 +267,8 @@ class ControlPlane(ControlAgreement):
         """
         name = name or _UNNAMED
         site = call_site(skip=2) if site is None else site
-        seq = self._seq
-        self._seq = self.heartbeat.next_barrier = seq + 1
+        seq = self.heartbeat.next_barrier  # this barrier's number; a training step from now on records the next
+        self.heartbeat.next_barrier = seq + 1
         entered = time.time()
         self.heartbeat.position = Position(kind="barrier", name=name, site=site, seq=seq, since=entered)
         if self.world_size == 1:
@@ -282,7 +281,8 @@ class ControlPlane(ControlAgreement):
 
     def _collective(self, name: str, site: str) -> None:
         """The position of a collective on the gloo group, after its barrier."""
-        self.heartbeat.position = Position(kind="collective", name=name, site=site, seq=self._seq, since=time.time())
+        beat = self.heartbeat
+        beat.position = Position(kind="collective", name=name, site=site, seq=beat.next_barrier, since=time.time())
 
     def all_gather_object(
         self, obj: T, name: str, *, site: str | None = None, passed: Callable[[Position], bool] | None = None
@@ -325,7 +325,7 @@ class ControlPlane(ControlAgreement):
 
         See :meth:`Heartbeat.note_failure`.
         """
-        self.heartbeat.note_failure(exception, self._seq, self._store)
+        self.heartbeat.note_failure(exception, self.heartbeat.next_barrier, self._store)
 
     def await_failure_seen(self) -> None:
         """After :meth:`note_failure` on rank 0: wait until every peer has read the failure, at most a few seconds.

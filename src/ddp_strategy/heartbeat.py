@@ -172,8 +172,8 @@ class Heartbeat:
         self._store = store
         self._next_publish = math.inf  # time.monotonic() of the next publication (none without a heartbeat thread)
         self._desync_agreed = desync_agreed
-        #: the sequence number of the control plane's next barrier, recorded in a training step's position: an
-        #: attribute the control plane sets, read by every step (no call)
+        #: the sequence number of the control plane's next barrier (the control plane's one counter of its barriers,
+        #: advanced by ``ControlPlane.barrier``), recorded in a training step's position: read by every step (no call)
         self.next_barrier = 0
         self._hooks: list[Callable[[Store], None]] = []
         self._failures_read = False  # whether a hook read the failure counter during this beat (read_with_failures)

@@ -2648,6 +2648,15 @@ def test_the_three_calls_fewer_and_the_sixth_tiny_step_run_are_the_result_files(
         f"training thread ran {us['cpu_step_s']:.0f} us more, waited {us['runqueue_wait_s']:.0f} us more for a core "
         f"and slept {us['asleep_s']:.0f} us more" in section
     )
+    aa = next(
+        r
+        for r in result("tiny_step-all-off-aa-6f71f7b")["analysis"]["step_breakdown"]
+        if (r["mode"], r["variant"]) == ("nolog", "stock_again")
+    )
+    assert (
+        f"a second stock fit's training thread ran {aa['cpu_step_s_added']['median'] * 1e6:.0f} us more than the "
+        f"first's and slept {-aa['asleep_s_added']['median'] * 1e6:.0f} us less" in section
+    )
     pool = result("tiny_step-pooled-ring8-6-runs-724a2e9")
     assert [s["run"] for s in pool["pooled_from"]] == [name for _, name in RING8_RUNS]
     row = _ratio_row(pool, "nolog", "safe / stock")["step_mean_s"]

@@ -57,6 +57,40 @@ def test_watcher_tells_unfrozen_and_frozen_parameters_and_ignores_what_ddp_ignor
     assert not watcher.changed()  # back to the set DDP was built with
 
 
+@pytest.mark.parametrize("torch_loop", [True, False], ids=["torch's loop", "python fallback"])
+def test_watcher_tells_one_parameter_of_a_frozen_backbone_unfrozen_and_one_of_the_head_frozen(monkeypatch, torch_loop):
+    # the fine-tuning case the test exists for: most parameters frozen when DDP was built, read in one call into torch
+    from ddp_strategy._compat import torch as compat
+
+    if not torch_loop:
+        monkeypatch.setattr(compat, "_ANY_REQUIRES_GRAD", None)
+    backbone = nn.Sequential(*(nn.Linear(2, 2) for _ in range(40))).requires_grad_(False)
+    net = nn.Sequential(backbone, nn.Linear(2, 2))
+    watcher = TrainableSetWatcher()
+    watcher.track(SimpleNamespace(module=net, parameters_to_ignore=set()))  # type: ignore[arg-type]
+    assert not watcher.changed()
+    backbone[37].bias.requires_grad_(True)
+    assert watcher.changed()
+    assert watcher.current() == TrainableSet(unfrozen=("0.37.bias",), frozen=(), trainable=3)
+    backbone[37].bias.requires_grad_(False)
+    net[1].weight.requires_grad_(False)
+    assert watcher.changed()
+    assert watcher.current() == TrainableSet(unfrozen=(), frozen=("1.weight",), trainable=1)
+    net[1].weight.requires_grad_(True)
+    assert not watcher.changed()
+
+
+def test_any_requires_grad_reads_every_tensor_and_none_of_an_empty_list(monkeypatch):
+    from ddp_strategy._compat import torch as compat
+
+    frozen = [torch.zeros(2) for _ in range(5)]
+    for loop in (compat._ANY_REQUIRES_GRAD, None):
+        monkeypatch.setattr(compat, "_ANY_REQUIRES_GRAD", loop)
+        assert compat.any_requires_grad([]) is False
+        assert compat.any_requires_grad(frozen) is False
+        assert compat.any_requires_grad([*frozen, torch.zeros(1, requires_grad=True)]) is True
+
+
 # ---------------------------------------------------------------------------------------------- agreement (simulated)
 def agree(plane: ControlPlane, change: TrainableSet, weight: torch.Tensor | None = None) -> None:
     weights = None

@@ -6,10 +6,12 @@ gets gradients that are never all-reduced: every rank trains its own copy, silen
 leaves the reducer waiting for a gradient that never comes.
 
 :class:`TrainableSetWatcher` remembers the ``requires_grad`` flags DDP was built with and tells, before each training
-step, whether they changed. The test is local and cheap (one attribute read per parameter, a list comparison; a
-few microseconds for a ResNet-50's 161 parameters, measured in ``bench/consistency_cost.py``), so nothing is
-exchanged while nothing changes. When it fires, the strategy makes the ranks agree on the new set over the control
-plane (:func:`agree_on_trainable_set`) and builds a new DDP wrapper with the same options.
+step, whether they changed. The test is local, so nothing is exchanged while nothing changes, but it reads every
+tracked parameter: inside a training step, where the step's own work has taken the caches, about 0.3 us per
+parameter tensor (``bench/trainable_test.py``). The parameters that were frozen are read in one call into torch, the
+others from Python up to the first one frozen. When it fires, the
+strategy makes the ranks agree on the new set over the control plane (:func:`agree_on_trainable_set`) and builds a
+new DDP wrapper with the same options.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ._compat.torch import any_requires_grad
 from .consistency import Comparison, Divergence, compare
 from .control import ControlPlane, RankFailure, also_failed, first_failure
 from .errors import CollectiveMismatchError, RankDivergenceError
@@ -39,6 +42,8 @@ class TrainableSetWatcher:
         self._names: list[str] = []
         self._params: list[nn.Parameter] = []
         self._flags: list[bool] = []
+        self._trainable_at_build: list[nn.Parameter] = []  # the parameters DDP reduces
+        self._frozen_at_build: list[nn.Parameter] = []  # the others it tracks
         #: How many times the set changed and the wrapper was rebuilt in this run.
         self.rebuilds = 0
 
@@ -49,10 +54,18 @@ class TrainableSetWatcher:
         self._names = [name for name, _ in named]
         self._params = [param for _, param in named]
         self._flags = list(map(_REQUIRES_GRAD, self._params))
+        self._trainable_at_build = [param for param, flag in zip(self._params, self._flags, strict=True) if flag]
+        self._frozen_at_build = [param for param, flag in zip(self._params, self._flags, strict=True) if not flag]
 
     def changed(self) -> bool:
-        """Whether any tracked parameter's ``requires_grad`` differs from when the wrapper was built (no I/O)."""
-        return list(map(_REQUIRES_GRAD, self._params)) != self._flags
+        """Whether any tracked parameter's ``requires_grad`` differs from when the wrapper was built (no I/O).
+
+        Before every training step: a parameter unfrozen since (one call into torch for all of them), or one frozen
+        since (read from Python, up to the first one found).
+        """
+        frozen = self._frozen_at_build
+        unfrozen = bool(frozen) and any_requires_grad(frozen)  # no call for none: the usual, all trainable
+        return unfrozen or not all(map(_REQUIRES_GRAD, self._trainable_at_build))
 
     def current(self) -> TrainableSet:
         """This rank's change: the parameters unfrozen and frozen since the wrapper was built."""

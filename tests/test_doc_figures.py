@@ -2722,3 +2722,37 @@ def test_the_three_calls_fewer_and_the_sixth_tiny_step_run_are_the_result_files(
         f"in the backward" in section
     )
     assert f"{_ms(longest[(2, 'safe')], 'max_s')} ms against stock's {_ms(longest[(2, 'stock')], 'max_s')}" in section
+
+
+def test_the_trainable_set_test_inside_training_steps_is_the_result_files():
+    """bench/README.md's section on the trainable-set test timed inside training steps (bench/trainable_test.py)."""
+    heading = "### The trainable-set test inside training steps"
+    text = (ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0]
+    section = " ".join(text.split())
+    runs = {run: result(f"trainable_test-8cb62f3-{run}")["models"] for run in (1, 2)}
+    for run, models in runs.items():
+        for name, row in models.items():
+            calls = row["calls"]
+            assert (
+                f"| {run} | {name} | {row['tensors']} ({row['trainable']}) | {calls['package']['first_us']:.2f} | "
+                f"{calls['python_reads']['first_us']:.2f} | {calls['empty']['first_us']:.2f} | "
+                f"{row['package_over_python_reads']:.3f} |" in section
+            )
+    deep = [models[m]["calls"]["package"]["first_us"] for models in runs.values() for m in ("deep", "deep_frozen")]
+    per_tensor = [us / 164 for us in deep]
+    assert f"costs {min(per_tensor):.1f} to {max(per_tensor):.1f} us per parameter tensor" in section
+    assert f"{min(deep):.0f} to {max(deep):.0f} us for 164 tensors" in section
+    ratios = {m: [runs[r][m]["package_over_python_reads"] for r in runs] for m in ("tiny", "deep", "deep_frozen")}
+    first = [runs[r][m]["package_over_python_reads_first"] for r in runs for m in ("deep", "deep_frozen")]
+    deeper = ratios["deep"] + ratios["deep_frozen"]
+    assert f"(package / python reads {min(deeper):.3f} to {max(deeper):.3f} over all steps" in section
+    assert f"{min(first):.3f} to {max(first):.3f} first in the step)" in section
+    assert f"on the tiny model ({ratios['tiny'][1]:.3f} and {ratios['tiny'][0]:.3f})" in section
+    frozen = [f"{runs[r]['deep_frozen']['calls']['package']['first_us']:.2f}" for r in runs]
+    python = [f"{runs[r]['deep']['calls']['package']['first_us']:.2f}" for r in runs]
+    reads = f"{frozen[0]} and {frozen[1]} us; `deep`'s, which reads all 164 from Python: {python[0]} and {python[1]}"
+    assert reads in section
+    span = f"{min(deep):.0f} to {max(deep):.0f} us for 164"
+    assert_on("README.md", f"{span} parameter tensors inside a training step")
+    assert_on("docs/strategy.md", f"costs {min(per_tensor):.1f} to {max(per_tensor):.1f} us per parameter tensor")
+    assert_on("docs/strategy.md", f"(`bench/trainable_test.py`: {span} tensors;")

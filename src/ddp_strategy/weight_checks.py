@@ -72,7 +72,7 @@ class WeightChecks:
     def on_train_batch_start(self, strategy: StrategyHost, step: int, control: ControlPlane | None) -> int:
         """Count the batch; when the trainable set changed, agree on it and rebuild ``strategy``'s DDP wrapper.
 
-        The test is one attribute read per parameter, no I/O.
+        The test reads every tracked parameter's ``requires_grad`` (see :meth:`TrainableSetWatcher.changed`), no I/O.
 
         Args:
             strategy: the strategy; its ``model`` is the DDP wrapper, rebuilt with the same options on a change.

@@ -17,7 +17,7 @@ help:
 	@echo "make test-slurm - the SLURM tests (marker slurm): installs SLURM + MUNGE (Debian, root) and runs jobs on a one-node cluster"
 	@echo "make lint   - ruff + mypy only"
 	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
-	@echo "make bench  - the benchmark suite (vs stock Lightning and a raw DDP loop), handshake, callback, callback-loop, strategy, weight-check, trainable-set-test and desync-detection costs, instructions per step (callgrind), control plane at scale, tiny-model step"
+	@echo "make bench  - the benchmark suite (vs stock Lightning and a raw DDP loop), handshake, callback, callback-loop, strategy, weight-check, trainable-set-test, per-step-hook and desync-detection costs, instructions per step (callgrind), control plane at scale, tiny-model step"
 	@echo "make bench-quick - CI smoke run of the benchmark suite (about 2 minutes; fails on a wide target miss)"
 	@echo "make bench-extra - checkpoint-save and exact-evaluation benchmarks"
 
@@ -84,6 +84,7 @@ bench: $(STAMP)
 	$(PY) bench/instructions_per_step.py
 	$(PY) bench/consistency_cost.py
 	$(PY) bench/trainable_test.py
+	$(PY) bench/step_hooks.py
 	$(PY) bench/desync_cost.py
 	$(PY) bench/flight_recorder_cost.py
 	$(PY) bench/recorder_dump_cost.py

@@ -48,7 +48,16 @@ def tiny_module(*, sync_dist: bool, values: int = 1) -> Any:
 
 
 def fit_with_window(
-    variant: str, mode: str, *, warmup: int, steps: int, start: Any, stop: Any, root: str, shuffle: bool = True
+    variant: str,
+    mode: str,
+    *,
+    warmup: int,
+    steps: int,
+    start: Any,
+    stop: Any,
+    root: str,
+    shuffle: bool = True,
+    callbacks: Any = (),
 ) -> None:
     """A 2-rank fit of the model (Lightning's launcher, gloo, CPU) that measures a window of training steps.
 
@@ -65,6 +74,7 @@ def fit_with_window(
         stop: called with the trainer when it closes.
         root: the trainer's ``default_root_dir``.
         shuffle: the data loader's ``shuffle``.
+        callbacks: more callbacks for the Trainer (after the window's).
     """
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -91,7 +101,7 @@ def fit_with_window(
         strategy=DDPStrategy() if variant == "stock" else SafeDDPStrategy(),
         max_steps=warmup + steps + 1,
         max_epochs=1,
-        callbacks=[Window()],
+        callbacks=[Window(), *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

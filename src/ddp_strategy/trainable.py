@@ -9,9 +9,8 @@ leaves the reducer waiting for a gradient that never comes.
 step, whether they changed. The test is local, so nothing is exchanged while nothing changes, but it reads every
 tracked parameter: inside a training step, where the step's own work has taken the caches, about 0.3 us per
 parameter tensor (``bench/trainable_test.py``). The parameters that were frozen are read in one call into torch, the
-others from Python up to the first one frozen. When it fires, the
-strategy makes the ranks agree on the new set over the control plane (:func:`agree_on_trainable_set`) and builds a
-new DDP wrapper with the same options.
+others from Python up to the first one frozen. When it fires, the strategy makes the ranks agree on the new set over
+the control plane (:func:`agree_on_trainable_set`) and builds a new DDP wrapper with the same options.
 """
 
 from __future__ import annotations

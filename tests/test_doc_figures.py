@@ -2756,3 +2756,36 @@ def test_the_trainable_set_test_inside_training_steps_is_the_result_files():
     assert_on("README.md", f"{span} parameter tensors inside a training step")
     assert_on("docs/strategy.md", f"costs {min(per_tensor):.1f} to {max(per_tensor):.1f} us per parameter tensor")
     assert_on("docs/strategy.md", f"(`bench/trainable_test.py`: {span} tensors;")
+
+
+def test_the_per_step_methods_timed_inside_training_steps_are_the_result_files():
+    """bench/README.md's section on bench/step_hooks.py's run at c1b3ac5."""
+    heading = "#### The strategy's per-step methods timed inside training steps"
+    text = (ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0]
+    section = " ".join(text.split())
+    parts = result("step_hooks-c1b3ac5")["analysis"]["parts"]
+    names = {"on_train_batch_start": "`on_train_batch_start`", "post_backward": "`post_backward`"}
+    names["optimizer_step less its closure"] = "`optimizer_step` less its closure"
+    for part, shown in names.items():
+        row = parts[part]
+        low, high = row["added_range_us"]
+        assert (
+            f"| {shown} | {row['stock_us']:.2f} | {row['safe_us']:.2f} | {row['added_us']:+.2f} "
+            f"[{low:+.2f}, {high:+.2f}] |" in section
+        )
+    start = parts["on_train_batch_start"]
+    assert f"costs safe {start['added_us']:.1f} us more per step than stock's" in section
+    assert f"({start['added_range_us'][0]:.1f} to {start['added_range_us'][1]:.1f})" in section
+    assert f"**`post_backward` adds {parts['post_backward']['added_us']:.1f} us.**" in section
+    rounds = result("step_hooks-c1b3ac5")["analysis"]["rounds"]
+    own = [f[v]["optimizer_step less its closure"] for f in rounds for v in f]
+    assert f"({min(own):.0f} to {max(own):.0f} us in these fits)" in section
+    opcodes = result("call_count-opcodes")["modes"]["nolog"]["added_per_step"]
+    hook = ("strategy.py:251(on_train_batch_start)", "lifecycle.py:168(note_step)", "heartbeat.py:206(note_step)")
+    hook += ("weight_checks.py:72(on_train_batch_start)", "lightning.py:456(read)")
+    hook += ("trainable.py:53(changed)", "lifecycle.py:179(raise_agreed_desync)")
+    assert f"{sum(opcodes.get(k, 0) for k in hook):.0f} bytecode instructions per step" in section
+    pool = result("tiny_step-pooled-ring8-6-runs-724a2e9")["analysis"]["rows"]
+    stock = next(r for r in pool if r["variant"] == "stock")
+    cpu = stock["cpu_step_s"]["median"]
+    assert stock["mode"] == "nolog" and f"{start['added_us'] / (cpu * 1e6):.1%} of the {cpu * 1e3:.2f} ms" in section

@@ -46,9 +46,20 @@ def recorded(size: str | None) -> dict:
     return dict(json.loads(run.output.strip().splitlines()[-1]))
 
 
+def completed_as_torch_reports(status: list[int], calls: int) -> bool:
+    """Whether torch's status of a group shows ``calls`` calls enqueued and (all but its report of) them completed.
+
+    Every call returned, so every call completed; torch's count of completed calls, set by gloo's worker threads, can
+    still lag at the end: CI saw 2099 of 2100 even after the programs' wait of up to 10 s (and [5, 4], 2098 of 2100
+    before that wait existed). The enqueued count and the entries are exact.
+    """
+    enqueued, completed = status
+    return enqueued == calls and calls - 2 <= completed <= calls
+
+
 def test_torch_records_every_collective_by_default_in_a_ring_of_2000():
     default = recorded(None)
-    assert default["status"] == {"0": [CALLS, CALLS]}  # group 0: every call enqueued and completed
+    assert list(default["status"]) == ["0"] and completed_as_torch_reports(default["status"]["0"], CALLS)
     assert default["entries"] == 2000
 
 
@@ -111,7 +122,10 @@ def test_torchs_dump_and_its_unpickling_apart_give_what_the_dump_gives_whole():
     assert run.returncode == 0, run.output[-2000:]
     shown = json.loads(run.output.strip().splitlines()[-1])
     assert shown["type"] == "bytes" and shown["empty"] == [[], {}]
+    for dump in ("halves", "whole"):  # two dumps: torch's completed count may move between them (see above)
+        assert list(shown[dump]["status"]) == ["0"] and completed_as_torch_reports(shown[dump]["status"]["0"], 5)
+        del shown[dump]["status"]
     assert shown["halves"] == shown["whole"]
-    assert shown["halves"]["seqs"] == [1, 2, 3, 4, 5] and shown["halves"]["status"] == {"0": [5, 5]}
+    assert shown["halves"]["seqs"] == [1, 2, 3, 4, 5]
     line = next(n for n, text in enumerate(HALVES.splitlines(), 1) if "the line the stacks name" in text)
     assert shown["halves"]["lines"] == [line] * 5  # each entry's stack names the program's own line

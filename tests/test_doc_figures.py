@@ -2789,3 +2789,17 @@ def test_the_per_step_methods_timed_inside_training_steps_are_the_result_files()
     stock = next(r for r in pool if r["variant"] == "stock")
     cpu = stock["cpu_step_s"]["median"]
     assert stock["mode"] == "nolog" and f"{start['added_us'] / (cpu * 1e6):.1%} of the {cpu * 1e3:.2f} ms" in section
+
+
+def test_the_strategy_cost_workloads_have_the_parameter_tensors_the_trainable_test_section_gives(monkeypatch):
+    """bench/README.md's trainable-set section counts the tensors of bench/strategy_cost.py's workloads."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from bench.workloads.run import MLP, SyncedCIFAR10Classifier
+    from bench.workloads.tiny import network
+
+    counts = [len(list(m.parameters())) for m in (network(), MLP(), SyncedCIFAR10Classifier())]
+    heading = "### The trainable-set test inside training steps"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    assert (
+        f"have {counts[0]} (tiny), {counts[1]} (MLP) and {counts[2]} (the CIFAR-10 example's model) tensors" in section
+    )

@@ -209,6 +209,7 @@ def _fake_trainer(environment: object) -> SimpleNamespace:
         strategy=SimpleNamespace(launcher=None, root_device="cpu"),
         world_size=1,
         local_rank=0,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()),  # a loop without Lightning's SIGTERM broadcast
     )
     trainer._signal_connector = pl.trainer.connectors.signal_connector._SignalConnector(trainer)
     return trainer
@@ -244,6 +245,37 @@ def test_lightning_keeps_its_other_handlers_and_ours_restores_at_teardown(monkey
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(
+    ("signals", "skipped"),
+    [([signal.SIGTERM], True), ([signal.SIGUSR1], False), ([signal.SIGUSR1, signal.SIGTERM], True)],
+)
+def test_lightnings_per_batch_sigterm_broadcast_is_skipped_only_while_the_strategy_has_sigterm(signals, skipped):
+    from ddp_strategy._compat.lightning import pl
+    from ddp_strategy._compat.signals import handle_signals_during_run, sigterm_broadcast_skipped
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+    if not hasattr(type(loop), "_broadcast_sigterm_tensor"):
+        pytest.skip(f"Lightning {pl.__version__} has no per-batch SIGTERM broadcast (added in 2.5)")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, lambda s, f: None)  # the script's own handler (pytest's would stop the test)
+    handle_signals_during_run(trainer, signals, lambda s: None, lambda: None)
+    try:
+        assert not sigterm_broadcast_skipped(trainer)  # not before the run's handlers are registered
+        connector.register_signal_handlers()
+        assert sigterm_broadcast_skipped(trainer) is skipped
+        assert ("_broadcast_sigterm_tensor" in vars(loop)) is skipped  # else the class's method, Lightning's
+        if skipped:  # Lightning's handler, the only setter of the flag the loop broadcast, is not installed
+            signal.raise_signal(signal.SIGTERM)
+            assert not trainer.received_sigterm
+            assert loop._broadcast_sigterm_tensor() is None  # and the call in its place does nothing
+    finally:
+        connector.teardown()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert not sigterm_broadcast_skipped(trainer) and "_broadcast_sigterm_tensor" not in vars(loop)  # restored
 
 
 def test_a_signal_that_led_to_no_stop_is_delivered_again():

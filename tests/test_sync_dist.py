@@ -1,5 +1,7 @@
 """``self.log(..., sync_dist=True)``: one collective per value, no barrier before it, the same values as stock.
 
+And no per-batch broadcast of rank 0's SIGTERM flag (Lightning >= 2.5): the strategy's handler has SIGTERM.
+
 Lightning's ``DDPStrategy.reduce`` (``_sync_ddp``) runs ``torch.distributed.barrier`` before the all-reduce of
 every synced value: two collectives per value where one does (issue 30: the cost per ``sync_dist`` value).
 ``SafeDDPStrategy.reduce`` makes one (``ddp_strategy.collective_calls.all_reduce_value``): the all-reduce on NCCL,
@@ -45,6 +47,11 @@ def test_safe_logs_every_synced_value_by_one_collective_and_agrees_with_stock(tm
         {"barrier": values, "all_reduce": values, "all_gather_single": 0}
     ]
     assert [rank["calls_in_log"] for rank in safe] == 2 * [{"barrier": 0, "all_reduce": 0, "all_gather_single": values}]
+    # Lightning (>= 2.5) broadcasts rank 0's SIGTERM flag before every batch; safe's own handler has SIGTERM (its
+    # default preemption signal), so the flag cannot be set, and safe skips that collective
+    per_batch = steps if stock[0]["lightning_broadcasts_sigterm"] else 0
+    assert [rank["sigterm_broadcasts"] for rank in stock] == [per_batch, per_batch]
+    assert [rank["sigterm_broadcasts"] for rank in safe] == [0, 0]
     # every rank logged the same synced values, bit for bit the same as stock's
     assert safe[0]["synced"] == safe[1]["synced"] == stock[0]["synced"] == stock[1]["synced"]
     # and they are the mean, the sum and the largest of the ranks' own values

@@ -4,8 +4,10 @@ and which ``torch.distributed`` collectives the logging made.
 A small regression model on 2 CPU ranks logs three values per step with ``sync_dist=True``: the loss (mean), the
 batch's sample count (``reduce_fx="sum"``) and its largest target (``reduce_fx="max"``). A wrapper around
 ``torch.distributed.barrier``, ``all_reduce`` and ``all_gather_single`` counts the calls made inside the step's
-``self.log`` calls. Each rank writes ``OUT.rank<R>.json``: its own values per step before syncing, the synced values
-it logged, and the count of each collective.
+``self.log`` calls, and a wrapper around ``torch.distributed.broadcast`` the calls Lightning's training loop makes
+before every batch to share rank 0's SIGTERM flag (``_broadcast_sigterm_tensor``, Lightning >= 2.5). Each rank
+writes ``OUT.rank<R>.json``: its own values per step before syncing, the synced values it logged, the count of each
+collective, and the count of those broadcasts.
 
 Usage: python tests/scripts/sync_dist_calls.py --strategy ddp|safe_ddp --out PATH
 """
@@ -42,6 +44,18 @@ def counted(name: str) -> Any:
 
 for _name in COUNTED:  # Lightning's _sync_ddp and the strategy read them from torch.distributed at every call
     setattr(dist, _name, counted(_name))
+
+sigterm_broadcasts = [0]
+_broadcast = dist.broadcast
+
+
+def broadcast(*args: Any, **kwargs: Any) -> Any:
+    if sys._getframe(1).f_code.co_name == "_broadcast_sigterm_tensor":  # Lightning's loop reads it at every call
+        sigterm_broadcasts[0] += 1
+    return _broadcast(*args, **kwargs)
+
+
+dist.broadcast = broadcast
 
 
 class Regression(pl.LightningModule):
@@ -95,7 +109,17 @@ def main() -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=5))
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
-        json.dump({"raw": model.raw, "synced": model.synced, "calls_in_log": calls_in_log}, f)
+        loop_broadcasts = hasattr(type(trainer.fit_loop.epoch_loop), "_broadcast_sigterm_tensor")
+        json.dump(
+            {
+                "raw": model.raw,
+                "synced": model.synced,
+                "calls_in_log": calls_in_log,
+                "sigterm_broadcasts": sigterm_broadcasts[0],
+                "lightning_broadcasts_sigterm": loop_broadcasts,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

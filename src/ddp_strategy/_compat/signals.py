@@ -2,6 +2,9 @@
 
 It reaches the Trainer's signal connector (a private of Lightning's) through the Trainer it is given, whichever
 Lightning namespace that Trainer is of; it is loaded once per namespace, as :mod:`ddp_strategy._compat.lightning` is.
+When the strategy's handler takes SIGTERM, Lightning's per-batch broadcast of rank 0's SIGTERM flag (the training
+epoch loop's ``_broadcast_sigterm_tensor``, Lightning >= 2.5) is skipped for the run: that flag is set by Lightning's
+SIGTERM handler only, which then never runs.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["exit_with_code_on", "handle_signals_during_run"]
+__all__ = ["exit_with_code_on", "handle_signals_during_run", "sigterm_broadcast_skipped"]
 
 _SIGNALS_ATTR = "_ddp_strategy_signals"
+#: Lightning >= 2.5: the training epoch loop's method that broadcasts rank 0's ``trainer.received_sigterm`` to every
+#: rank before each training batch (one collective, and on a GPU one wait for the device, per batch)
+_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 
 def handle_signals_during_run(
@@ -34,6 +40,11 @@ def handle_signals_during_run(
     spec): after Lightning registered its handlers, each of ``signals`` calls ``handler(signum)`` and then the
     handler the process had before the run (a user's own, when callable). After Lightning restored the handlers,
     ``after_restore()`` runs, once.
+
+    With SIGTERM among ``signals``, Lightning's SIGTERM handler, the only code that sets the flag its training loop
+    broadcasts from rank 0 before every batch, is not installed for the run (off the main thread Lightning installs
+    none), so the flag stays ``False`` on every rank and that broadcast is skipped until the run's teardown: one
+    collective fewer per training batch, the same on every rank since every rank has the same ``signals``.
     """
     connector = trainer._signal_connector
     setattr(connector, _SIGNALS_ATTR, (tuple(signals), handler, after_restore))
@@ -44,7 +55,11 @@ def handle_signals_during_run(
     def register_signal_handlers() -> None:
         register()
         spec = getattr(connector, _SIGNALS_ATTR, None)
-        if spec is None or threading.current_thread() is not threading.main_thread():
+        if spec is None:
+            return
+        if signal.SIGTERM in spec[0]:
+            _skip_sigterm_broadcast(connector.trainer)
+        if threading.current_thread() is not threading.main_thread():
             return
         for sig in spec[0]:
             before = connector._original_handlers.get(sig)
@@ -52,6 +67,7 @@ def handle_signals_during_run(
 
     def restore_signal_handlers() -> None:
         teardown()
+        _restore_sigterm_broadcast(connector.trainer)
         spec = getattr(connector, _SIGNALS_ATTR, None)
         setattr(connector, _SIGNALS_ATTR, None)
         if spec is not None:
@@ -60,6 +76,30 @@ def handle_signals_during_run(
     connector.register_signal_handlers = register_signal_handlers
     connector.teardown = restore_signal_handlers
     connector._ddp_strategy_wrapped = True
+
+
+def _skip_sigterm_broadcast(trainer: Any) -> None:
+    """Lightning's per-batch broadcast of rank 0's SIGTERM flag, replaced on the run's loop by a call that does nothing.
+
+    Where Lightning has no such broadcast (< 2.5), nothing changes.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if callable(getattr(type(loop), _SIGTERM_BROADCAST, None)):
+        setattr(loop, _SIGTERM_BROADCAST, _no_sigterm_to_broadcast)
+
+
+def _restore_sigterm_broadcast(trainer: Any) -> None:
+    """Lightning's own broadcast again on the loop (undoes :func:`_skip_sigterm_broadcast`)."""
+    vars(trainer.fit_loop.epoch_loop).pop(_SIGTERM_BROADCAST, None)
+
+
+def sigterm_broadcast_skipped(trainer: Any) -> bool:
+    """Whether the run's training loop skips Lightning's per-batch broadcast of rank 0's SIGTERM flag."""
+    return vars(trainer.fit_loop.epoch_loop).get(_SIGTERM_BROADCAST) is _no_sigterm_to_broadcast
+
+
+def _no_sigterm_to_broadcast() -> None:
+    """In place of Lightning's broadcast: the strategy's handler has SIGTERM, so rank 0's flag stays ``False``."""
 
 
 class _Composed:

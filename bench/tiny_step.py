@@ -15,7 +15,9 @@ random tensors, batch 32 per rank, 2 ranks on CPU over gloo. Variants:
 
 and, for diagnosis (``--variants``, any of them in a group): ``stock_again`` (a second stock fit, as ``--aa`` runs),
 ``stock_recorder`` (stock with torch's Flight Recorder at the size ``SafeDDPStrategy`` gives it, ``TRACE_ENTRIES``;
-stock runs it at torch's default, 2000) and
+stock runs it at torch's default, 2000), ``stock_no_sigterm`` (stock without Lightning's per-batch broadcast of rank
+0's SIGTERM flag, which ``SafeDDPStrategy`` skips while its handler has SIGTERM: safe against it is what the
+strategy's own work costs a step) and
 ``safe_bare`` (``SafeDDPStrategy`` without its background work, or with ``--bare-kwargs``; ``--bare-recorder``
 gives its jobs torch's Flight Recorder at the strategy's size too, for a ``safe_bare`` without desync detection,
 which would leave torch's default; ``--bare-without-step-hooks`` has it run ``DDPStrategy``'s ``on_train_batch_start``,
@@ -83,7 +85,7 @@ VARIANTS = ("raw", "stock", "safe")
 #: ``--aa``: a second stock fit takes the raw loop's place; its ratio to stock is the method's own noise (A/A)
 AA_VARIANTS = ("stock_again", "stock", "safe")
 #: every variant ``--variants`` may name (e.g. ``stock stock_recorder safe safe_bare``: diagnosis, paired)
-ALL_VARIANTS = ("raw", "stock_again", "stock", "stock_recorder", "safe", "safe_bare")
+ALL_VARIANTS = ("raw", "stock_again", "stock", "stock_recorder", "stock_no_sigterm", "safe", "safe_bare")
 #: the ``safe_bare`` variant's keyword arguments: no heartbeat thread, no desync monitor, no preemption watch
 BARE_KWARGS = {"heartbeat_interval": 0, "desync_detection": False, "preemption_signals": None}
 MODES = ("nolog", "sync_dist")
@@ -94,6 +96,7 @@ LABELS = {
     "safe": "SafeDDPStrategy()",
     "safe_bare": "SafeDDPStrategy(), the safe_bare variant",
     "stock_recorder": "Lightning DDPStrategy(), torch's Flight Recorder at the strategy's size",
+    "stock_no_sigterm": "Lightning DDPStrategy(), without its per-batch SIGTERM broadcast",
 }
 #: the ``stock_recorder`` variant's environment: torch's Flight Recorder (on by default, 2000 entries) at the size
 #: SafeDDPStrategy gives it
@@ -110,6 +113,8 @@ RATIOS = (
     ("safe", "safe_bare"),
     ("stock_recorder", "stock"),
     ("safe", "stock_recorder"),
+    ("stock_no_sigterm", "stock"),
+    ("safe", "stock_no_sigterm"),
 )
 TARGET = ("safe", "stock", 1.02)  # issue 30, point 3: safe / stock at most 1.02 in both modes
 WORLD_SIZE = 2
@@ -486,6 +491,8 @@ def worker(args: argparse.Namespace) -> None:
             enable_model_summary=False,
             default_root_dir=f"{args.out}-root",  # in the runner's temporary directory
         )
+        if variant == "stock_no_sigterm":  # as SafeDDPStrategy skips it (no signal comes to a benchmark's fit)
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
         trainer.fit(
             tiny_module(sync_dist=sync, values=values),
             DataLoader(dataset, batch_size=config["batch_size"], shuffle=True),

@@ -2803,3 +2803,74 @@ def test_the_strategy_cost_workloads_have_the_parameter_tensors_the_trainable_te
     assert (
         f"have {counts[0]} (tiny), {counts[1]} (MLP) and {counts[2]} (the CIFAR-10 example's model) tensors" in section
     )
+
+
+SIGTERM_SKIP_RUNS = ("tiny_step-sigterm-1-9d06bc5", "tiny_step-sigterm-2-9d06bc5")
+SIGTERM_SKIP_POOL = "tiny_step-pooled-sigterm-2-runs-9d06bc5"
+NO_SIGTERM_STOCK_RUN = "tiny_step-no-sigterm-stock-ae3b425"
+
+
+def test_the_tiny_step_runs_with_lightnings_sigterm_broadcast_skipped_are_the_result_files():
+    """bench/README.md's section on the skipped per-batch SIGTERM broadcast, and README.md's tiny-model row."""
+    heading = "#### Lightning's per-batch SIGTERM broadcast skipped: three tiny-step runs"
+    text = (ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0]
+    section = " ".join(text.split())
+    pool = result(SIGTERM_SKIP_POOL)
+    assert [s["run"] for s in pool["pooled_from"]] == list(SIGTERM_SKIP_RUNS)
+    names = (*SIGTERM_SKIP_RUNS, NO_SIGTERM_STOCK_RUN)
+    nolog = {n: _ratio_row(result(n), "nolog", "safe / stock") for n in (*names, SIGTERM_SKIP_POOL)}
+    synced = {n: _ratio_row(result(n), "sync_dist", "safe / stock") for n in (*names, SIGTERM_SKIP_POOL)}
+    for name, row in nolog.items():  # the table's rows
+        mean, paired = row["step_mean_s"]["of_medians"], row["step_mean_s"]["paired"]
+        cells = (
+            f"| {mean:.3f}, {paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] | "
+            f"{row['cpu_step_s']['paired']['median']:.3f} | {synced[name]['step_mean_s']['of_medians']:.3f} | "
+            f"{synced[name]['cpu_step_s']['paired']['median']:.3f} |"
+        )
+        assert cells in section, name
+    # point 3: every round of every run at most 1.02, in both modes
+    by_run = [nolog[n] for n in names] + [synced[n] for n in names]
+    assert max(r["step_mean_s"]["paired"]["max"] for r in by_run) <= 1.02
+    highest = max(nolog[n]["step_mean_s"]["paired"]["max"] for n in names)
+    means = sorted(nolog[n]["step_mean_s"]["of_medians"] for n in names)
+    logged = sorted(synced[n]["step_mean_s"]["of_medians"] for n in names)
+    low, high = pool["analysis"]["run_resampled_interval"]["nolog"]
+    pooled = nolog[SIGTERM_SKIP_POOL]["step_mean_s"]["of_medians"]
+    assert (
+        f"safe / stock {means[0]:.3f} to {means[-1]:.3f} without logging (pooled {pooled:.3f}; resampling runs, then "
+        f"rounds within them, [{low:.3f}, {high:.3f}]) and {logged[0]:.3f} to {logged[-1]:.3f} with the `sync_dist` "
+        f"log; no round's paired ratio above {highest:.3f}" in section
+    )
+    cpu = sorted(nolog[n]["cpu_step_s"]["paired"]["median"] for n in names)
+    assert f"By the training thread's CPU, {cpu[0]:.3f} to {cpu[-1]:.3f} (paired medians)" in section
+    # the decomposition: stock without the broadcast, and safe against it
+    run = result(NO_SIGTERM_STOCK_RUN)
+    skip = _ratio_row(run, "nolog", "stock_no_sigterm / stock")
+    assert "0.737 by wall time without logging" in section and f"{skip['step_mean_s']['of_medians']:.3f}" == "0.737"
+    assert round(-skip["cpu_step_s"]["paired_difference_s"]["median"] * 1e6) == 176
+    own = _ratio_row(run, "nolog", "safe / stock_no_sigterm")
+    wall, by_cpu = own["step_mean_s"], own["cpu_step_s"]
+    assert (
+        f"without logging {wall['of_medians']:.3f} by wall time (paired median {wall['paired']['median']:.3f} "
+        f"[{wall['paired']['min']:.3f}, {wall['paired']['max']:.3f}], its 90% interval "
+        f"[{wall['paired_interval'][0]:.3f}, {wall['paired_interval'][1]:.3f}]), by the training thread's CPU "
+        f"{by_cpu['of_medians']:.3f} (paired median {by_cpu['paired']['median']:.3f} [{by_cpu['paired']['min']:.3f}, "
+        f"{by_cpu['paired']['max']:.3f}]), +{by_cpu['paired_difference_s']['median'] * 1e6:.0f} us of CPU per step"
+        in section
+    )
+    logged_own = _ratio_row(run, "sync_dist", "safe / stock_no_sigterm")["step_mean_s"]["of_medians"]
+    assert f"With the `sync_dist` log {logged_own:.3f}" in section
+    own_cpu = sorted(
+        round(result(n)["analysis"]["own_cpu_per_step"]["nolog"]["total_s"]["median"] * 1e6) for n in names
+    )
+    assert f"(-{-own_cpu[-1]} to -{-own_cpu[0]} us without logging)" in section
+    # README.md's tiny-model row
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| a tiny model's"))
+    assert (
+        f"since 9d06bc5: without logging {means[0]:.3f} to {means[-1]:.3f} by run (every round at most "
+        f"{highest:.3f}), {logged[0]:.3f} to {logged[-1]:.3f} with `self.log(..., sync_dist=True)` every step" in row
+    )
+    assert (
+        f"against stock with that broadcast skipped too, {wall['of_medians']:.3f} (by the training thread's CPU "
+        f"{by_cpu['of_medians']:.3f}, +{by_cpu['paired_difference_s']['median'] * 1e6:.0f} us per step" in row
+    )

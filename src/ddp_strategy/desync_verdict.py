@@ -271,7 +271,7 @@ def find_divergence(reports: Mapping[int, RankReport]) -> CollectiveMismatchErro
 
 
 #: what a rank waits in when it is inside a training batch (Lightning >= 2.5 broadcasts a SIGTERM flag before it
-#: fetches each batch; the fetcher had that batch ready already)
+#: fetches each batch, the fetcher had that batch ready already; not while the strategy has SIGTERM: _compat/signals)
 _PER_BATCH = ("DDP's gradient all-reduce", "DDP's buffer broadcast", "Lightning's _broadcast_sigterm_tensor")
 _BEFORE_BATCH = "Lightning's _broadcast_sigterm_tensor"
 

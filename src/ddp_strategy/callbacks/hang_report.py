@@ -52,7 +52,8 @@ _C10D_COLLECTIVES = frozenset(
 # the control plane's waits, as frames of control.py: a barrier (it calls the wait in barrier_wait.py) and the object
 # collectives behind one
 _CONTROL_WAITS = frozenset({"barrier", "all_gather_object", "gather_object", "broadcast_object"})
-# Lightning (>= 2.5) broadcasts a SIGTERM flag from rank 0 before every training batch, from this function
+# Lightning (>= 2.5) broadcasts a SIGTERM flag from rank 0 before every training batch, from this function (unless
+# SafeDDPStrategy has SIGTERM: it skips it, _compat/signals.py; HangWatchdog also runs with stock DDPStrategy)
 BEFORE_BATCH = "_broadcast_sigterm_tensor"
 PER_BATCH_WAITS = ("backward pass: DDP's gradient all-reduce", "DDP ")  # locate()'s texts of per-batch waits
 

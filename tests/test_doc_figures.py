@@ -2874,3 +2874,51 @@ def test_the_tiny_step_runs_with_lightnings_sigterm_broadcast_skipped_are_the_re
         f"against stock with that broadcast skipped too, {wall['of_medians']:.3f} (by the training thread's CPU "
         f"{by_cpu['of_medians']:.3f}, +{by_cpu['paired_difference_s']['median'] * 1e6:.0f} us per step" in row
     )
+
+
+def test_the_step_pauses_runs_with_the_sigterm_broadcast_skipped_are_the_result_files():
+    """bench/README.md's point-2 bullet of the section on the skipped SIGTERM broadcast: the two step_pauses runs."""
+    heading = "#### Lightning's per-batch SIGTERM broadcast skipped: three tiny-step runs"
+    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    ms = _ms
+
+    def training_thread_calls(fit: dict[str, Any]) -> list[float]:
+        dumps = [d["cpu_s"] for d in fit["dumps"]["all"] if d["during_training"]]
+        return dumps + [fit[kind]["MainThread"]["longest_cpu_s"] for kind in USAGE_KINDS]
+
+    fits = result("step_pauses-sigterm-154a8c5")["fits"]
+    safe = [f for f in fits if f["variant"] == "safe"]
+    stock = {f["round"]: f for f in fits if f["variant"] == "stock"}
+    assert len(safe) == 2 and all(f["background_holds"]["over_1ms"] == 0 for f in safe)
+    assert max(max(training_thread_calls(f)) for f in safe) < 1e-3
+    stretch = max(f["background_holds"]["longest"]["cpu_s"] for f in safe)
+    dump = max(d["cpu_s"] for f in safe for d in f["dumps"]["all"] if d["during_training"])
+    step_dump, beat = (max(f[k]["MainThread"]["longest_cpu_s"] for f in safe) for k in ("step_dumps", "beats"))
+    assert (
+        f"no background stretch over 1 ms (the longest {stretch * 1e3:.3f} ms of thread CPU) and no call of the "
+        f"strategy's on the training thread over 1 ms of CPU: the longest a torch dump of {dump * 1e3:.3f} ms, an "
+        f"audit's dump at a step of its own {step_dump * 1e3:.3f}, a beat {beat * 1e3:.3f}" in section
+    )
+    gaps = sorted(safe, key=lambda f: f["round"])
+    assert all(f["hook_gaps"]["p999_s"] < stock[f["round"]]["hook_gaps"]["p999_s"] for f in gaps)
+    assert (
+        f"({ms(gaps[0]['hook_gaps'], 'p999_s')} and {ms(gaps[1]['hook_gaps'], 'p999_s')} ms against "
+        f"{ms(stock[1]['hook_gaps'], 'p999_s')} and {ms(stock[2]['hook_gaps'], 'p999_s')})" in section
+    )
+    busy = [f for f in result("step_pauses-sigterm-beside-mypy-ae3b425")["fits"] if f["variant"] == "safe"]
+    (quiet,) = [f for f in busy if max(training_thread_calls(f)) < 1e-3]
+    (loaded,) = [f for f in busy if f is not quiet]
+    assert loaded["round"] == 2 and loaded["background_holds"]["over_1ms"] == 0
+    dumps = sorted(d["cpu_s"] for d in loaded["dumps"]["all"] if d["during_training"] and d["cpu_s"] > 1e-3)
+    step_dumps = loaded["step_dumps"]["MainThread"]["longest_cpu_s"]
+    assert len(dumps) == 3 and step_dumps > 1e-3 and loaded["beats"]["MainThread"]["longest_cpu_s"] < 1e-3
+    long_calls = [d for d in loaded["dumps"]["all"] if d["cpu_s"] > 1e-3]
+    assert (
+        not any(d["preempted"] for d in long_calls)
+        and not loaded["step_dumps"]["MainThread"]["longest_cpu_call"]["preempted"]
+    )  # "none preempted"
+    assert (
+        f"three torch dumps ({dumps[0] * 1e3:.3f} to {dumps[-1] * 1e3:.3f} ms) and an audit's dump "
+        f"({step_dumps * 1e3:.3f}), while its beats ({loaded['beats']['MainThread']['longest_cpu_s'] * 1e3:.3f}) "
+        f"and unpickling ({loaded['step_unpickles']['MainThread']['longest_cpu_s'] * 1e3:.3f})" in section
+    )

@@ -2481,6 +2481,11 @@ USAGE_RUNS = (
 USAGE_KINDS = ("beats", "step_dumps", "step_unpickles", "step_parses")
 
 
+def _bench_section(heading: str) -> str:
+    """The text of bench/README.md's section under ``heading`` (to the next ``## `` heading), whitespace collapsed."""
+    return " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+
+
 def _ms(call: dict[str, Any], key: str) -> str:
     """``call[key]`` (seconds) in milliseconds, as bench/README.md's step_pauses tables give it."""
     return f"{call[key] * 1e3:.3f}"
@@ -2808,13 +2813,12 @@ def test_the_strategy_cost_workloads_have_the_parameter_tensors_the_trainable_te
 SIGTERM_SKIP_RUNS = ("tiny_step-sigterm-1-9d06bc5", "tiny_step-sigterm-2-9d06bc5")
 SIGTERM_SKIP_POOL = "tiny_step-pooled-sigterm-2-runs-9d06bc5"
 NO_SIGTERM_STOCK_RUN = "tiny_step-no-sigterm-stock-ae3b425"
+SIGTERM_SKIP_HEADING = "#### Lightning's per-batch SIGTERM broadcast skipped: three tiny-step runs"
 
 
 def test_the_tiny_step_runs_with_lightnings_sigterm_broadcast_skipped_are_the_result_files():
     """bench/README.md's section on the skipped per-batch SIGTERM broadcast, and README.md's tiny-model row."""
-    heading = "#### Lightning's per-batch SIGTERM broadcast skipped: three tiny-step runs"
-    text = (ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0]
-    section = " ".join(text.split())
+    section = _bench_section(SIGTERM_SKIP_HEADING)
     pool = result(SIGTERM_SKIP_POOL)
     assert [s["run"] for s in pool["pooled_from"]] == list(SIGTERM_SKIP_RUNS)
     names = (*SIGTERM_SKIP_RUNS, NO_SIGTERM_STOCK_RUN)
@@ -2878,8 +2882,7 @@ def test_the_tiny_step_runs_with_lightnings_sigterm_broadcast_skipped_are_the_re
 
 def test_the_step_pauses_runs_with_the_sigterm_broadcast_skipped_are_the_result_files():
     """bench/README.md's point-2 bullet of the section on the skipped SIGTERM broadcast: the two step_pauses runs."""
-    heading = "#### Lightning's per-batch SIGTERM broadcast skipped: three tiny-step runs"
-    section = " ".join((ROOT / "bench/README.md").read_text().split(heading)[1].split("\n## ")[0].split())
+    section = _bench_section(SIGTERM_SKIP_HEADING)
     ms = _ms
 
     def training_thread_calls(fit: dict[str, Any]) -> list[float]:

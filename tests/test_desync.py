@@ -138,6 +138,9 @@ def run_cases(cases: list[str], check: Callable[[Run, str], None]) -> None:
 def test_a_rank_dependent_sync_is_named_on_every_rank_within_seconds():
     run = run_script([str(SCRIPT), "log-in-rank-zero-branch"], timeout=150)
     assert_named_on_every_rank(run, "log-in-rank-zero-branch", within=12.0)  # 10 s named + teardown on a loaded CI
+    # rank 1 went on into its next batch: no per-batch SIGTERM broadcast of Lightning's (skipped, or Lightning 2.4),
+    # so its collective beside rank 0's is the gradient all-reduce (docs/diagnostics.md's example)
+    assert "rank 1: all_reduce of Float[161] from DDP's gradient all-reduce (backward)" in run.output, run.describe()
 
 
 @pytest.mark.multiprocess

@@ -2852,6 +2852,11 @@ def test_the_tiny_step_runs_with_lightnings_sigterm_broadcast_skipped_are_the_re
     skip = _ratio_row(run, "nolog", "stock_no_sigterm / stock")
     assert "0.737 by wall time without logging" in section and f"{skip['step_mean_s']['of_medians']:.3f}" == "0.737"
     assert round(-skip["cpu_step_s"]["paired_difference_s"]["median"] * 1e6) == 176
+    (split,) = [
+        r for r in run["analysis"]["step_breakdown"] if r["variant"] == "stock_no_sigterm" and r["mode"] == "nolog"
+    ]
+    asleep, waiting = (round(-split[k]["median"] * 1e6) for k in ("asleep_s_added", "runqueue_wait_s_added"))
+    assert f"{asleep} us less asleep and {waiting} us less waiting for a core" in section
     own = _ratio_row(run, "nolog", "safe / stock_no_sigterm")
     wall, by_cpu = own["step_mean_s"], own["cpu_step_s"]
     assert (

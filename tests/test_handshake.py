@@ -21,6 +21,7 @@ from ddp_strategy.handshake import (
     seed_summary,
     train_sampler_seeds,
 )
+from ddp_strategy.options import default_option_text
 
 
 def facts_for(world_size: int, module: nn.Module | None = None, overrides: dict | None = None) -> list[RankFacts]:
@@ -94,6 +95,33 @@ def test_each_compared_version_is_a_field_of_the_table(field):
         check_facts(facts)
     assert list(info.value.fields) == [key]
     assert re.search(rf"{re.escape(key)} +{re.escape(base.versions[key])} +0-1\n +0\.0\.other +2", str(info.value))
+
+
+def test_strategy_options_that_differ_are_rows_of_the_table_with_the_default_named():
+    """The options every rank must be given alike (``SafeDDPStrategy.agreed_options``): rank 2 left SIGTERM to
+    Lightning, rank 3 gave DDP another bucket size; an option a rank does not list is at its default there."""
+    facts = facts_for(
+        4,
+        overrides={
+            2: {"options": {"preemption_signals": "None"}},
+            3: {"options": {"bucket_cap_mb": "1"}},
+        },
+    )
+    with pytest.raises(SetupMismatchError) as info:
+        check_facts(facts)
+    text = str(info.value)
+    assert list(info.value.fields) == ["option bucket_cap_mb", "option preemption_signals"]
+    bucket_default = re.escape(default_option_text("bucket_cap_mb"))
+    assert re.search(rf"option bucket_cap_mb +{bucket_default} \(default\) +0-2\n +1 +3\n", text), text
+    assert re.search(r"option preemption_signals +\(SIGTERM,\) \(default\) +0-1, 3\n +None +2\n", text), text
+    assert "give every rank the same strategy arguments" in text
+
+
+def test_the_same_options_on_every_rank_pass():
+    facts = facts_for(
+        3, overrides={r: {"options": {"weight_check": "5", "process_group_backend": "gloo"}} for r in range(3)}
+    )
+    check_facts(facts)
 
 
 def test_parameter_shape_mismatch_names_tensor():

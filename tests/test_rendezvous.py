@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +23,9 @@ import torch.distributed as dist
 
 from ddp_strategy import SafeDDPStrategy
 from ddp_strategy.errors import RendezvousError, SetupMismatchError
+from ddp_strategy.options import default_option_text
 from ddp_strategy.rendezvous import PREFIX, Member, join
-from tests.proc import SCRIPTS, Run, at_once, free_port, run_script, run_script_until
+from tests.proc import ROOT, SCRIPTS, Run, at_once, free_port, run_script, run_script_until
 from tests.test_control_scale import CountingStore
 
 
@@ -37,6 +40,8 @@ def member(rank: int, world_size: int = 4, devices: int = 2, *, num_nodes: int |
         local_rank=rank % devices,
         host=kw.get("host", f"host{rank // devices}"),
         environment="LightningEnvironment",
+        options=json.dumps(kw.get("options", {}), sort_keys=True),
+        made_at=kw.get("made_at", "train.py:40 in main"),
     )
 
 
@@ -110,6 +115,46 @@ def test_set_ups_that_disagree_raise_on_every_rank_that_joined(sizes):
     message = messages.pop()
     assert "world size 2 (num_nodes=2, devices=1)" in message and "world size 3 (num_nodes=3, devices=1)" in message
     assert errors[0] is not None and set(errors[0].fields) == {"world_size", "num_nodes"}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("world_size", [4, 64])
+def test_options_that_differ_raise_the_same_error_on_every_rank_with_the_same_store_work(world_size):
+    """The first half of the ranks with the defaults, the other half with SIGUSR1 added and another DDP bucket size,
+    as a per-node config would give them: every rank raises one SetupMismatchError naming both options, both
+    values and both lines that made the strategy, within seconds. Store work per rank whatever the world size: at
+    most the 6 operations of a rendezvous that agrees and the error's 2 (an ``add`` to ``seen``; the last reader's
+    ``set`` of ``seen-all``)."""
+    half = world_size // 2
+    node1 = {"preemption_signals": "(SIGTERM, SIGUSR1)", "bucket_cap_mb": "1"}
+    members = [
+        member(r, world_size, 2, options=node1 if r >= half else {}, made_at=f"train.py:{40 + (r >= half)} in main")
+        for r in range(world_size)
+    ]
+    start = time.monotonic()
+    errors, stores = join_all(members, interval=30.0, timeout=60.0, stagger=0.8 / world_size)
+    assert time.monotonic() - start < 10
+    messages = {str(e) for e in errors}
+    assert len(messages) == 1 and all(isinstance(e, SetupMismatchError) for e in errors), errors
+    message = messages.pop()
+    first_other = half if world_size == 4 else r"\d+"  # which later rank writes the error first: any of them
+    assert re.match(
+        rf"The ranks were started with different strategy options: rank {first_other} \(node \d+, local rank \d, "
+        rf"host host\d+\) has bucket_cap_mb=1, preemption_signals=\(SIGTERM, SIGUSR1\) \(strategy made at "
+        r"train.py:41 in main\), but rank 0 \(node 0, local rank 0, host host0\), the first of the \d+ rank\(s\) "
+        rf"that joined before it, has bucket_cap_mb={re.escape(default_option_text('bucket_cap_mb'))} \(the default\), "
+        r"preemption_signals=\(SIGTERM,\) \(the "
+        r"default\) \(strategy made at train.py:40 in main\)\. These options decide which collectives a rank makes",
+        message,
+    ), message
+    assert "Give every rank the same SafeDDPStrategy(...) arguments" in message
+    assert errors[0] is not None and list(errors[0].fields) == ["bucket_cap_mb", "preemption_signals"]  # type: ignore[attr-defined]
+    assert max(s.ops for s in stores) <= 8, [s.ops for s in stores]
+
+
+def test_ranks_given_the_same_non_default_options_join():
+    options = {"weight_check": "5", "process_group_backend": "gloo"}
+    errors, _ = join_all([member(r, 4, 2, options=options) for r in range(4)])
+    assert errors == [None] * 4
 
 
 def test_two_processes_claiming_one_rank_are_named():
@@ -207,11 +252,17 @@ def test_stock_lightning_waits_silently_for_a_node_that_never_starts():
     assert run.output.rstrip().endswith(marker), run.describe()  # and nothing after that line for 15 s
 
 
-def two_nodes(port: int, node0: list[str], node1: list[str], timeout: float = 120) -> list[tuple[Run, float]]:
-    """Node 0 and node 1 of Lightning's launcher, started at once: each one's run and when it ended (``time.time``)."""
+def two_nodes(
+    port: int, node0: list[str], node1: list[str], timeout: float = 120, configs: tuple[dict, dict] = ({}, {})
+) -> list[tuple[Run, float]]:
+    """Node 0 and node 1 of Lightning's launcher, started at once: each one's run and when it ended (``time.time``).
+
+    ``configs``: each node's strategy arguments from its own environment (the script's ``NODE_STRATEGY_OPTIONS``).
+    """
 
     def node(rank: int, args: list[str]) -> tuple[Run, float]:
-        run = run_script([SCRIPT, *args], timeout=timeout, env=node_env(rank, port))
+        env = {**node_env(rank, port), "NODE_STRATEGY_OPTIONS": json.dumps(configs[rank])}
+        run = run_script([SCRIPT, *args], timeout=timeout, env=env)
         return run, time.time()
 
     return at_once(lambda: node(0, node0), lambda: node(1, node1))
@@ -238,6 +289,69 @@ def test_nodes_started_for_different_num_nodes_raise_on_both_within_seconds():
     second_start = max(fit_start(run) for run in runs)
     for run, end in ended:  # the process exit, after the error's traceback
         assert end - second_start < 15, run.describe()
+
+
+#: Node 1's job config turns DDP's buffer broadcast off; node 0's leaves it on (the script's model has a buffer)
+BUFFERS_OFF_ON_NODE_1 = ({}, {"broadcast_buffers": False})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.serial  # asserts a bound of seconds
+def test_nodes_given_different_strategy_options_raise_on_both_naming_the_option_and_the_line():
+    """Both nodes raise the same SetupMismatchError at the rendezvous, before ``init_process_group``: the option,
+    both values and the script's line that made the strategy; exit code 1, within seconds of the second fit start.
+    """
+    ended = two_nodes(free_port(), ["--num-nodes", "2"], ["--num-nodes", "2"], configs=BUFFERS_OFF_ON_NODE_1)
+    runs = [run for run, _ in ended]
+    errors = []
+    for run in runs:
+        assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+        found = re.search(r"ddp_strategy\.errors\.SetupMismatchError: (.*)", run.output)
+        assert found is not None, run.describe()
+        errors.append(found.group(1))
+        assert "All distributed processes registered" not in run.output  # before init_process_group
+    assert errors[0] == errors[1]
+    host = socket.gethostname()
+    line = re.search(r"strategy = SafeDDPStrategy\(", Path(SCRIPT).read_text())
+    assert line is not None
+    number = Path(SCRIPT).read_text()[: line.start()].count("\n") + 1
+    made_at = f"{Path(SCRIPT).relative_to(ROOT)}:{number} in main"  # the scripts run in the repository's root
+    mine = f"broadcast_buffers=False (strategy made at {made_at})"
+    theirs = f"broadcast_buffers={default_option_text('broadcast_buffers')} (the default) (strategy made at {made_at})"
+    pair = {0: (theirs, mine), 1: (mine, theirs)}
+    # the node that joined second writes the error: either may
+    assert any(
+        errors[0].startswith(
+            f"The ranks were started with different strategy options: rank {second} (node {second}, local rank 0, "
+            f"host {host}) has {pair[second][0]}, but rank {1 - second} (node {1 - second}, local rank 0, host "
+            f"{host}), the first of the 1 rank(s) that joined before it, has {pair[second][1]}. These options decide"
+        )
+        for second in (0, 1)
+    ), errors[0]
+    second_start = max(fit_start(run) for run in runs)
+    for run, end in ended:  # the process exit, after the error's traceback
+        assert end - second_start < 15, run.describe()
+
+
+@pytest.mark.multiprocess
+def test_stock_lightning_aborts_in_gloo_when_nodes_are_given_different_ddp_options():
+    """The same configs with stock ``DDPStrategy``: rank 0 broadcasts its buffers before each forward, rank 1 does
+    not, so the ranks' collectives pair up wrongly: gloo aborts a process (C++ ``terminate``, SIGABRT: exit code -6)
+    with its size mismatch, the other fails in its next collective; no output names the option."""
+    ended = two_nodes(
+        free_port(), ["--num-nodes", "2", "--strategy", "ddp"], ["--num-nodes", "2", "--strategy", "ddp"],
+        configs=BUFFERS_OFF_ON_NODE_1,
+    )  # fmt: skip
+    runs = [run for run, _ in ended]
+    for run in runs:
+        assert not run.timed_out and not run.orphans and run.returncode != 0, run.describe()
+        assert "SetupMismatchError" not in run.output, run.describe()
+        # torch's deprecation warning of the argument (torch >= 2.14) is the only line that mentions it
+        named = [line for line in run.output.splitlines() if "broadcast_buffers" in line]
+        assert all("`broadcast_buffers` is deprecated" in line for line in named), named
+    aborted = [run for run in runs if run.returncode == -signal.SIGABRT]
+    assert aborted, [run.describe() for run in runs]
+    assert all("Is there a distributed collective mismatch in your code?" in run.output for run in aborted)
 
 
 STOCK_REGISTERED = (

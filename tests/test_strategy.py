@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 from datetime import timedelta
 
@@ -62,3 +63,36 @@ def test_picklable_before_setup_for_spawn():
     strategy = pickle.loads(pickle.dumps(SafeDDPStrategy(barrier_timeout=3)))
     assert strategy.barrier_timeout == timedelta(seconds=3)
     assert strategy.control_plane is None
+
+
+def test_agreed_options_are_those_not_at_their_defaults_as_text_the_same_on_every_rank():
+    """What the rendezvous and the handshakes compare across ranks (``SafeDDPStrategy.agreed_options``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    assert SafeDDPStrategy().agreed_options == {}
+    # defaults passed explicitly, and the options that may differ per rank (how long a rank waits), are not listed
+    same = SafeDDPStrategy(
+        preemption_signals=["SIGTERM"], find_unused_parameters=False, weight_check="epoch", barrier_timeout=5,
+        rendezvous_timeout=3, rendezvous_report_interval=2,
+    )  # fmt: skip
+    assert same.agreed_options == {}
+    state = object()  # a hook state without a repr of its own: its class, not its address
+    strategy = SafeDDPStrategy(
+        preemption_signals=None, weight_check=5, bucket_cap_mb=1, static_graph=True,
+        ddp_comm_hook=default_hooks.fp16_compress_hook, ddp_comm_state=state,
+    )  # fmt: skip
+    assert strategy.agreed_options == {
+        "preemption_signals": "None",
+        "weight_check": "5",
+        "bucket_cap_mb": "1",
+        "static_graph": "True",
+        "ddp_comm_hook": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
+    }
+    usr1 = SafeDDPStrategy(preemption_signals=["SIGTERM", "USR1"], exact_evaluation=False)
+    assert usr1.agreed_options == {"preemption_signals": "(SIGTERM, SIGUSR1)", "exact_evaluation": "False"}
+
+
+def test_the_line_that_made_the_strategy_is_kept():
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    strategy = SafeDDPStrategy()
+    assert strategy.made_at == f"tests/test_strategy.py:{line} in test_the_line_that_made_the_strategy_is_kept"

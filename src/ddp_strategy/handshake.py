@@ -5,7 +5,8 @@ parameter and buffer). The strategy gathers the facts of all ranks in one small 
 and calls :func:`check_facts` on every rank, so every rank raises the same error:
 
 * :class:`~ddp_strategy.errors.DuplicateDeviceError` when two ranks share one accelerator;
-* :class:`~ddp_strategy.errors.SetupMismatchError` when versions, world size or tensor names/shapes differ;
+* :class:`~ddp_strategy.errors.SetupMismatchError` when versions, world size, the strategy options every rank must
+  be given alike, or tensor names/shapes differ;
 * :class:`~ddp_strategy.errors.RankDivergenceError` when parameter or buffer values differ.
 
 :func:`seed_report` then warns when the global seed (``PL_GLOBAL_SEED``) differs between ranks, when the training
@@ -19,7 +20,7 @@ import math
 import os
 import platform
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -31,12 +32,14 @@ from ._compat.lightning import NAMESPACE, training_dataloaders
 from ._compat.lightning import VERSION as LIGHTNING_VERSION
 from .errors import DuplicateDeviceError, RankDivergenceError, SetupMismatchError
 from .fingerprint import TensorFingerprint, fingerprint_module
+from .options import default_option_text
 from .positions import format_ranks
 
 __all__ = [
     "RankFacts",
     "check_devices",
     "check_facts",
+    "check_setup",
     "check_training_batches",
     "collect_facts",
     "compare_training_batches",
@@ -72,6 +75,8 @@ class RankFacts:
             training dataloaders have no shuffling ``DistributedSampler``.
         training_batches: the training batches this rank runs per epoch (after ``limit_train_batches``);
             ``inf`` for an iterable of unknown length, ``None`` when not training.
+        options: the strategy options every rank must be given alike, as text
+            (:func:`~ddp_strategy.options.options_to_agree`).
 
     """
 
@@ -88,6 +93,7 @@ class RankFacts:
     tensors: tuple[TensorFingerprint, ...] = field(default=())
     sampler_seeds: tuple[int, ...] | None = None
     training_batches: float | None = None
+    options: dict[str, str] = field(default_factory=dict)
 
 
 def _package_version() -> str:
@@ -120,12 +126,14 @@ def collect_facts(
     module: nn.Module | None,
     sampler_seeds: Sequence[int] | None = None,
     training_batches: float | None = None,
+    options: Mapping[str, str] | None = None,
 ) -> RankFacts:
     """Describe this rank. Fingerprints are computed on ``device``; only a few integers per tensor leave it.
 
     ``module=None`` collects everything but the tensor fingerprints (used for the early device check).
     ``sampler_seeds`` are the training ``DistributedSampler`` seeds (see :func:`train_sampler_seeds`), or ``None``
-    when unknown; ``training_batches`` is ``trainer.num_training_batches`` when training starts.
+    when unknown; ``training_batches`` is ``trainer.num_training_batches`` when training starts; ``options`` are the
+    strategy options every rank must be given alike (``SafeDDPStrategy.agreed_options``).
     """
     return RankFacts(
         rank=rank,
@@ -146,6 +154,7 @@ def collect_facts(
         tensors=tuple(fingerprint_module(module)) if module is not None else (),
         sampler_seeds=tuple(int(s) for s in sampler_seeds) if sampler_seeds is not None else None,
         training_batches=float(training_batches) if training_batches is not None else None,
+        options=dict(options or {}),
     )
 
 
@@ -200,12 +209,13 @@ def check_facts(facts: Sequence[RankFacts]) -> None:
 
     Raises:
         DuplicateDeviceError: two ranks on the same accelerator device.
-        SetupMismatchError: versions, world size, or tensor names/shapes/dtypes differ between ranks.
+        SetupMismatchError: versions, world size, the strategy options, or tensor names/shapes/dtypes differ
+            between ranks.
         RankDivergenceError: parameter or buffer values differ between ranks.
 
     """
     check_devices(facts)
-    _check_setup(facts)
+    check_setup(facts)
     _check_tensor_signatures(facts)
     _check_tensor_values(facts)
 
@@ -319,19 +329,35 @@ def _table(rows: list[tuple[str, list[tuple[str, list[int]]]]]) -> str:
     return "\n".join(lines)
 
 
-def _check_setup(facts: Sequence[RankFacts]) -> None:
+def check_setup(facts: Sequence[RankFacts]) -> None:
+    """Raise :class:`SetupMismatchError`, a table of what differs, when versions, world size or options differ.
+
+    The options (``RankFacts.options``) are those every rank must be given alike; one missing on a rank is at its
+    default there.
+    """
     columns: dict[str, dict[int, str]] = {"world_size": {f.rank: str(f.world_size) for f in facts}}
     for name in sorted({key for f in facts for key in f.versions}):
         columns[name] = {f.rank: f.versions.get(name, "missing") for f in facts}
+    options = sorted({key for f in facts for key in f.options})
+    for name in options:
+        default = f"{default_option_text(name)} (default)"
+        columns[f"option {name}"] = {f.rank: f.options.get(name, default) for f in facts}
     rows = [(name, _group(values)) for name, values in columns.items() if len(set(values.values())) > 1]
     if not rows:
         return
+    fix = (
+        "install identical versions on every node (use the project's constraints file) and launch every node with "
+        "the same world size (Trainer num_nodes/devices, torchrun --nnodes/--nproc-per-node)"
+    )
+    if any(name.startswith("option ") for name, _ in rows):
+        fix += (
+            "; give every rank the same strategy arguments (SafeDDPStrategy(...) and DDP's keyword arguments decide "
+            "which collectives a rank makes): look for a value read from the rank's environment"
+        )
     raise SetupMismatchError(
         "Ranks disagree on their set-up:\n"
         + _table(rows)
-        + "\nEvery rank must run the same software with the same configuration: install identical versions on "
-        "every node (use the project's constraints file) and launch every node with the same world size "
-        "(Trainer num_nodes/devices, torchrun --nnodes/--nproc-per-node).",
+        + f"\nEvery rank must run the same software with the same configuration: {fix}.",
         fields=[name for name, _ in rows],
     )
 

@@ -30,6 +30,7 @@ from .handshake import (
     RankFacts,
     check_devices,
     check_facts,
+    check_setup,
     check_training_batches,
     collect_facts,
     compare_training_batches,
@@ -86,15 +87,19 @@ class Handshakes:
         self._train_compared = False  # the training handshake compared this fit's batch counts
 
     def check_devices(self, strategy: StrategyHost) -> None:
-        """Early device check, before any data-plane collective can touch a shared GPU.
+        """Early device and set-up check, before any data-plane collective can touch a shared GPU.
 
         Raises:
             DuplicateDeviceError: two ranks use one device.
+            SetupMismatchError: versions, world size or the strategy options differ (the rendezvous compared the
+                options already unless the process group existed before this stage).
 
         """
         control = self._control()
         if self.enabled and control is not None:
-            check_devices(control.all_gather_object(self._rank_facts(strategy, False), name="device-check"))
+            gathered = control.all_gather_object(self._rank_facts(strategy, False), name="device-check")
+            check_devices(gathered)
+            check_setup(gathered)
 
     def setup(self, trainer: pl.Trainer, world_size: int) -> None:
         """At the strategy's ``setup``: no handshake yet; for ``fit``, compare batch counts after each reload."""
@@ -200,4 +205,5 @@ class Handshakes:
             module=strategy.model if with_tensors else None,
             sampler_seeds=train_sampler_seeds(trainer) if with_tensors else None,
             training_batches=trainer.num_training_batches if training and trainer is not None else None,
+            options=strategy.agreed_options,
         )

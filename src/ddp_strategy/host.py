@@ -61,6 +61,10 @@ class StrategyHost(Protocol):
     def precision_plugin(self) -> Any:
         """The precision plugin (its step context managers)."""
 
+    @property
+    def agreed_options(self) -> dict[str, str]:
+        """The options every rank must be given alike, as text (``{name: value}``)."""
+
 
 class Delegated(Generic[T]):
     """A read-only attribute of the strategy that shows an attribute of one of its feature objects.

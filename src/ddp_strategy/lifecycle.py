@@ -101,7 +101,7 @@ class RunLifecycle:
         """The reporting rendezvous (``rendezvous.py``); its store goes to ``init_process_group``."""
         environment = strategy.cluster_environment
         return open_rendezvous(
-            member_of(strategy),
+            member_of(strategy, strategy.agreed_options, strategy.made_at),
             environment.main_address,
             environment.main_port,
             interval=self.rendezvous_report_interval,

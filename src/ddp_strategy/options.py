@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 import signal
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from datetime import timedelta
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
 
 from .control import to_timedelta
 from .evaluation.coordinator import PREDICTIONS_ON
 from .preemption import DEFAULT_PREEMPTION_SIGNALS, parse_signals
 
-__all__ = ["DEFAULT_BARRIER_TIMEOUT", "StrategyOptions"]
+__all__ = ["DEFAULT_BARRIER_TIMEOUT", "StrategyOptions", "default_option_text", "option_text", "options_to_agree"]
 
 #: How long a named barrier waits for the other ranks before raising ``CollectiveMismatchError``.
 DEFAULT_BARRIER_TIMEOUT = timedelta(minutes=10)
@@ -21,6 +25,9 @@ _ASYNC_SNAPSHOT = frozenset({"overlap", "blocking"})
 _SHARDING_CHECK = frozenset({"raise", "warn"})
 _WEIGHT_CHECK = frozenset({"epoch", "save"})
 _UNEVEN_INPUTS = frozenset({"raise", "warn"})
+#: Options that may differ between ranks: how long a rank waits, how often the rendezvous reports. Every other one
+#: decides which collectives a rank makes, or how it reads what they carry (see :func:`agreed_options`).
+_PER_RANK_OPTIONS = frozenset({"barrier_timeout", "rendezvous_report_interval", "rendezvous_timeout"})
 
 
 @dataclass(frozen=True)
@@ -211,3 +218,71 @@ def _check_choice(name: str, value: object, choices: frozenset[str], *, optional
     if (optional and value is None) or value in choices:
         return
     raise ValueError(f"`{name}` must be one of {sorted(choices)}{' or None' if optional else ''}, got {value!r}.")
+
+
+def options_to_agree(
+    options: StrategyOptions, *, backend: str | None, ddp_settings: Mapping[str, Any]
+) -> dict[str, str]:
+    """The options every rank must be given alike, as text: those not at their defaults, and the backend.
+
+    Each of them decides which collectives a rank makes or what they carry: ``preemption_signals`` whether
+    Lightning's broadcast before every training batch runs, ``weight_check`` and ``sharding_check`` the gathers of
+    the control plane, ``exact_evaluation`` the evaluation samplers (and so the number of evaluation batches), and
+    DDP's own keyword arguments (``bucket_cap_mb``, ``static_graph``, a ``ddp_comm_hook``) the gradient all-reduces.
+    The rendezvous and the handshakes compare them (:mod:`ddp_strategy.rendezvous`, :mod:`ddp_strategy.handshake`).
+    Options equal to their defaults are left out, so that a rank passing a default explicitly agrees with one that
+    does not, and the text stays short.
+
+    Args:
+        options: the strategy's own options.
+        backend: the process group backend (``"gloo"``, ``"nccl"``), ``None`` when not known yet.
+        ddp_settings: the keyword arguments Lightning gives ``DistributedDataParallel`` and its communication hook
+            settings (:func:`~ddp_strategy._compat.lightning.ddp_settings`).
+
+    Returns:
+        ``{name: text}``; a DDP keyword argument is named as given (``bucket_cap_mb``).
+
+    """
+    default = StrategyOptions()
+    agreed = {
+        f.name: option_text(getattr(options, f.name))
+        for f in fields(StrategyOptions)
+        if f.name not in _PER_RANK_OPTIONS and getattr(options, f.name) != getattr(default, f.name)
+    }
+    if "preemption_signals" in agreed and not options.preemption_signals:
+        agreed["preemption_signals"] = "None"  # as passed: signals left to Lightning
+    ddp_defaults = _ddp_defaults()
+    for name, value in ddp_settings.items():
+        if name not in ddp_defaults or value != ddp_defaults[name]:
+            agreed[name] = option_text(value)
+    if backend is not None:
+        agreed["process_group_backend"] = backend
+    return agreed
+
+
+def option_text(value: object) -> str:
+    """An option's value as text that is the same on every rank: no object address, signals by name."""
+    if isinstance(value, signal.Signals):
+        return value.name
+    if isinstance(value, tuple):
+        return "(" + ", ".join(option_text(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value) or inspect.isclass(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    text = repr(value)
+    if " at 0x" in text:  # an object without a repr of its own: its class
+        return f"<{type(value).__module__}.{type(value).__qualname__} object>"
+    return text
+
+
+def default_option_text(name: str) -> str:
+    """The text of option ``name``'s default (``"not set"`` for one without, such as ``ddp_comm_hook``)."""
+    if name in {f.name for f in fields(StrategyOptions)}:
+        return option_text(getattr(StrategyOptions(), name))
+    ddp_defaults = _ddp_defaults()
+    return option_text(ddp_defaults[name]) if name in ddp_defaults else "not set"
+
+
+def _ddp_defaults() -> dict[str, Any]:
+    """``DistributedDataParallel``'s keyword arguments with a default, and the defaults."""
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}

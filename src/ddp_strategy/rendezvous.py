@@ -3,13 +3,13 @@
 Each rank connects to (rank 0: hosts) the rendezvous ``TCPStore`` as torch's ``env://`` does, announces itself in
 the namespace ``ddp_strategy/rendezvous/`` and blocks in one ``wait`` for the ``outcome`` key, woken every
 ``report_interval`` to say what it sees; the same store then goes to ``init_process_group``. Store operations per
-rank, whatever the world size: ``compare_set`` of ``setup`` (the first rank's announcement: the set-up every later
-rank compares its own with; that first rank is the reporter), ``compare_set`` of ``rank/<r>`` (its announcement; a
-second claimant of the rank is named), ``append`` to ``joined-ranks``, ``add`` to ``joined`` (the rank that makes it
-the world size writes ``outcome = ok``), the ``wait`` and one ``get``. Per interval: the reporter reads
-``joined-ranks`` and the joined ranks' announcements (``multi_get``, 256 keys a call); every other local rank 0
-reads the count (one ``add`` of 0). A rank with another set-up writes the error as ``outcome``, which wakes
-every rank that joined; the reporter writes the timeout's.
+rank, whatever the world size: ``compare_set`` of ``setup`` (the first rank's announcement: the set-up and the
+strategy options every later rank compares its own with; that first rank is the reporter), ``compare_set`` of
+``rank/<r>`` (its announcement; a second claimant of the rank is named), ``append`` to ``joined-ranks``, ``add`` to
+``joined`` (the rank that makes it the world size writes ``outcome = ok``), the ``wait`` and one ``get``. Per
+interval: the reporter reads ``joined-ranks`` and the joined ranks' announcements (``multi_get``, 256 keys a call);
+every other local rank 0 reads the count (one ``add`` of 0). A rank with another set-up or other options writes the
+error as ``outcome``, which wakes every rank that joined; the reporter writes the timeout's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, cast
@@ -26,6 +27,7 @@ from typing import Any, NoReturn, cast
 import torch.distributed as dist
 
 from .errors import RendezvousError, SetupMismatchError
+from .options import default_option_text
 from .positions import format_ranks
 from .store import Store
 
@@ -41,7 +43,12 @@ _LINGER = 10.0  # seconds the store's host waits for the ranks to read an error 
 
 @dataclass(frozen=True)
 class Member:
-    """What a rank announces: who it is and the set-up it was started for."""
+    """What a rank announces: who it is, the set-up it was started for and its strategy's options.
+
+    ``options`` is the JSON text of ``{name: value}`` of the options every rank must be given alike
+    (:func:`~ddp_strategy.options.options_to_agree`: those not at their defaults, and the backend); ``made_at`` the
+    user's line that made the strategy.
+    """
 
     rank: int
     world_size: int
@@ -51,6 +58,8 @@ class Member:
     local_rank: int
     host: str
     environment: str
+    options: str = "{}"
+    made_at: str = ""
 
     @property
     def setup(self) -> tuple[int, int, int]:
@@ -65,6 +74,10 @@ class Member:
         """E.g. ``"world size 2 (num_nodes=2, devices=1)"``."""
         return f"world size {self.world_size} (num_nodes={self.num_nodes}, devices={self.devices})"
 
+    def option_values(self) -> dict[str, str]:
+        """``options`` as ``{name: value}``."""
+        return dict(json.loads(self.options))
+
     def to_json(self) -> str:
         """The announcement as stored."""
         return json.dumps(asdict(self), sort_keys=True)
@@ -75,8 +88,15 @@ class Member:
         return cls(**json.loads(text))
 
 
-def member_of(strategy: Any) -> Member:
-    """This rank's announcement, from a DDP strategy whose world ranks are set (``set_world_ranks``)."""
+def member_of(strategy: Any, options: Mapping[str, str], made_at: str = "") -> Member:
+    """This rank's announcement, from a DDP strategy whose world ranks are set (``set_world_ranks``).
+
+    Args:
+        strategy: the strategy.
+        options: the options every rank must be given alike (``SafeDDPStrategy.agreed_options``).
+        made_at: the user's line that made the strategy (``SafeDDPStrategy.made_at``).
+
+    """
     return Member(
         rank=int(strategy.global_rank),
         world_size=int(strategy.world_size),
@@ -86,6 +106,8 @@ def member_of(strategy: Any) -> Member:
         local_rank=int(strategy.local_rank),
         host=socket.gethostname(),
         environment=type(strategy.cluster_environment).__name__,
+        options=json.dumps(dict(options), sort_keys=True),
+        made_at=made_at,
     )
 
 
@@ -173,6 +195,8 @@ def join(store: Store, me: Member, *, where: str, interval: float, deadline: flo
     first = Member.from_json(store.compare_set("setup", "", mine))
     if first.setup != me.setup or not 0 <= me.rank < me.world_size:
         _decide(store, me, _mismatch(me, first, int(store.add("joined", 0))), where, hosts, joined=False)
+    if first.options != me.options:
+        _decide(store, me, _options_mismatch(me, first, int(store.add("joined", 0))), where, hosts, joined=False)
     holder = Member.from_json(store.compare_set(f"rank/{me.rank}", "", mine))
     if holder != me:
         _decide(store, me, _duplicate(me, holder), where, hosts, joined=False)
@@ -296,6 +320,30 @@ def _mismatch(me: Member, first: Member, joined: int) -> dict[str, Any]:
         f"({_environments(me, first)}). Start every node with the same "
         "Trainer(num_nodes=..., devices=...) (under SLURM: --nodes and --ntasks-per-node; under torchrun: --nnodes "
         "and --nproc-per-node), each with its own NODE_RANK.",
+    }
+
+
+def _options_mismatch(me: Member, first: Member, joined: int) -> dict[str, Any]:
+    mine, theirs = me.option_values(), first.option_values()
+    fields = sorted(name for name in {*mine, *theirs} if mine.get(name) != theirs.get(name))
+
+    def listed(member: Member, values: dict[str, str]) -> str:
+        text = ", ".join(
+            f"{name}={values[name]}" if name in values else f"{name}={default_option_text(name)} (the default)"
+            for name in fields
+        )
+        return f"{text} (strategy made at {member.made_at})" if member.made_at else text
+
+    return {
+        "fields": fields,
+        "message": f"The ranks were started with different strategy options: {me.who()} has {listed(me, mine)}, "
+        f"but {first.who()}, the first of the {joined} rank(s) that joined before it, has {listed(first, theirs)}. "
+        "These options decide which collectives a rank makes (preemption_signals: Lightning's broadcast before every "
+        "training batch; weight_check, sharding_check, uneven_inputs, handshake: the control plane's gathers; "
+        "exact_evaluation: the evaluation batches; DDP's keyword arguments: the gradient all-reduces), so ranks "
+        "given different ones would wait for each other forever or mix their values. Give every rank the same "
+        "SafeDDPStrategy(...) arguments: look for a value read from the rank's environment (LOCAL_RANK, NODE_RANK, "
+        "the host name) or from a file that differs between nodes.",
     }
 
 

@@ -18,6 +18,7 @@ from ._compat.lightning import (
     CheckpointPath,
     DDPStrategy,
     StrategyRegistryType,
+    ddp_settings,
     global_step_reader,
     pl,
     trainer_of,
@@ -31,7 +32,8 @@ from .control import ControlPlane
 from .evaluation.coordinator import ExactEvaluation
 from .features import build_features
 from .host import Delegated
-from .options import DEFAULT_BARRIER_TIMEOUT, StrategyOptions
+from .options import DEFAULT_BARRIER_TIMEOUT, StrategyOptions, options_to_agree
+from .positions import call_site
 from .preemption import DEFAULT_PREEMPTION_SIGNALS, exit_code
 
 __all__ = ["DEFAULT_BARRIER_TIMEOUT", "SafeDDPStrategy"]
@@ -104,6 +106,8 @@ class SafeDDPStrategy(DDPStrategy):
         if "checkpoint_io" not in kwargs and len(args) < 4:  # DDPStrategy's 4th positional is checkpoint_io
             kwargs["checkpoint_io"] = SafeCheckpointIO()
         super().__init__(*args, **kwargs)
+        #: The user's line that made this strategy (named when ranks were given different options).
+        self.made_at = call_site(skip=2)
         #: This strategy's own options, validated (see :class:`~ddp_strategy.options.StrategyOptions`).
         self.options = options = StrategyOptions.from_arguments(
             barrier_timeout=barrier_timeout, handshake=handshake, heartbeat_interval=heartbeat_interval,
@@ -141,6 +145,14 @@ class SafeDDPStrategy(DDPStrategy):
     trainable_set_changes = Delegated[int]("_weights")
     #: Rank 0's background checkpoint writer while an ``async_save`` write may be in flight, else ``None``.
     async_writer = Delegated[AsyncCheckpointWriter | None]("_saving", "writer")
+
+    @property
+    def agreed_options(self) -> dict[str, str]:
+        """The options every rank must be given alike, as text (:func:`~ddp_strategy.options.options_to_agree`).
+
+        The rendezvous and the handshakes compare them: ranks given different ones raise ``SetupMismatchError``.
+        """
+        return options_to_agree(self.options, backend=self.process_group_backend, ddp_settings=ddp_settings(self))
 
     @property
     def exact_evaluation_coordinator(self) -> ExactEvaluation | None:

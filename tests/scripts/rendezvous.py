@@ -4,7 +4,9 @@ Usage: NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python rendezvous.py --num-nod
        [--strategy safe_ddp|ddp] [--interval S] [--timeout S] [--out RESULT.json] [--exit-on-rank R]
 
 Lightning's launcher starts the node's other local ranks (devices > 1); under torchrun the environment says who is
-who. A short fit of scenario.py's model; rank 0 writes --out when it ends.
+who. A short fit of scenario.py's model; rank 0 writes --out when it ends. ``NODE_STRATEGY_OPTIONS`` (JSON, optional)
+holds keyword arguments for the strategy read from the node's environment, as a per-node job config would give
+them (``{"bucket_cap_mb": 1}``; for ``--strategy ddp`` a ``DDPStrategy`` is built with them).
 """
 
 from __future__ import annotations
@@ -62,9 +64,12 @@ def main() -> None:
     print(f"script: rank process {os.getpid()} imports ddp_strategy from {ddp_strategy.__file__}", flush=True)
     if args.count_store_ops:
         count_rendezvous_store_ops()
-    strategy: object = "ddp"
+    node_options = json.loads(os.environ.get("NODE_STRATEGY_OPTIONS", "{}"))  # this node's own config
+    strategy: object = pl.strategies.DDPStrategy(**node_options) if node_options else "ddp"
     if args.strategy == "safe_ddp":
-        strategy = SafeDDPStrategy(rendezvous_report_interval=args.interval, rendezvous_timeout=args.timeout)
+        strategy = SafeDDPStrategy(
+            rendezvous_report_interval=args.interval, rendezvous_timeout=args.timeout, **node_options
+        )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -47,6 +47,7 @@ __all__ = [
     "count_checkpointed_batch_as_completed",
     "current_hook_name",
     "dataloader_init_args",
+    "ddp_settings",
     "destroy_default_process_group",
     "epochs_processed",
     "fabric",
@@ -378,6 +379,16 @@ def destroy_default_process_group() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- private: DDP wrapper
+def ddp_settings(strategy: Any) -> dict[str, Any]:
+    """What ``DDPStrategy`` gives DDP: its keyword arguments, and the communication hook settings that are set."""
+    hooks = {
+        "ddp_comm_hook": strategy._ddp_comm_hook,
+        "ddp_comm_wrapper": strategy._ddp_comm_wrapper,
+        "model_averaging_period": strategy._model_averaging_period,
+    }
+    return {**strategy._ddp_kwargs, **{name: value for name, value in hooks.items() if value is not None}}
+
+
 def rebuild_ddp_wrapper(strategy: Any) -> Any:
     """Wrap the strategy's module in a new ``DistributedDataParallel``, built as Lightning built the current one.
 

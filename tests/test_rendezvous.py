@@ -334,6 +334,34 @@ def test_nodes_given_different_strategy_options_raise_on_both_naming_the_option_
 
 
 @pytest.mark.multiprocess
+def test_a_later_stage_whose_strategy_options_differ_raises_the_handshake_table_on_both():
+    """Both nodes fit alike; then each validates with a second Trainer whose strategy its own config builds (node 1
+    without exact evaluation). The process group exists, so no rendezvous runs: the device check at the stage's
+    ``setup_environment`` raises the same SetupMismatchError table on both, a row for the option, before any batch."""
+    port = free_port()
+
+    def node(rank: int) -> Run:
+        env = {**node_env(rank, port), "NODE_VALIDATE_OPTIONS": json.dumps({"exact_evaluation": rank == 0})}
+        return run_script([SCRIPT, "--num-nodes", "2", "--then-validate"], timeout=120, env=env)
+
+    runs = at_once(lambda: node(0), lambda: node(1))
+    tables = []
+    for run in runs:
+        assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
+        assert "script: validate starts" in run.output, run.describe()
+        validating = run.output.split("script: validate starts")[1]  # what passes when the options agree: not here
+        assert "validate handshake passed" not in validating and "Validate metric" not in validating, run.describe()
+        output = re.sub(r"^\[rank\d\]: ", "", run.output, flags=re.MULTILINE)  # torch's prefix of an error's lines
+        found = re.search(
+            r"ddp_strategy\.errors\.SetupMismatchError: (Ranks disagree on their set-up:\n(?:  .*\n)+)", output
+        )
+        assert found is not None, run.describe()
+        tables.append(found.group(1))
+    assert tables[0] == tables[1]
+    assert re.search(r"option exact_evaluation +True \(default\) +0\n +False +1\n", tables[0]), tables[0]
+
+
+@pytest.mark.multiprocess
 def test_stock_lightning_aborts_in_gloo_when_nodes_are_given_different_ddp_options():
     """The same configs with stock ``DDPStrategy``: rank 0 broadcasts its buffers before each forward, rank 1 does
     not, so the ranks' collectives pair up wrongly: gloo aborts a process (C++ ``terminate``, SIGABRT: exit code -6)

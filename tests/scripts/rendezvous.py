@@ -6,7 +6,9 @@ Usage: NODE_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python rendezvous.py --num-nod
 Lightning's launcher starts the node's other local ranks (devices > 1); under torchrun the environment says who is
 who. A short fit of scenario.py's model; rank 0 writes --out when it ends. ``NODE_STRATEGY_OPTIONS`` (JSON, optional)
 holds keyword arguments for the strategy read from the node's environment, as a per-node job config would give
-them (``{"bucket_cap_mb": 1}``; for ``--strategy ddp`` a ``DDPStrategy`` is built with them).
+them (``{"bucket_cap_mb": 1}``; for ``--strategy ddp`` a ``DDPStrategy`` is built with them). With ``--then-validate``
+a second Trainer validates the fitted model in the same processes (the process group exists: no rendezvous), its
+strategy built with ``NODE_VALIDATE_OPTIONS`` (JSON) from the node's environment.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--count-store-ops", action="store_true", help="print the rendezvous' store operations")
     parser.add_argument("--out")
     parser.add_argument("--exit-on-rank", type=int, help="this global rank (SLURM_PROCID) exits with 3 before fit")
+    parser.add_argument("--then-validate", action="store_true", help="validate with a second Trainer after fit")
     args = parser.parse_args()
     if args.exit_on_rank is not None and os.environ.get("SLURM_PROCID") == str(args.exit_on_rank):
         print(f"script: rank {args.exit_on_rank} fails before fit", flush=True)  # as a task that crashed early
@@ -86,7 +89,21 @@ def main() -> None:
     train, val = loaders()
     started = time.time()
     print(f"script: fit starts at {started:.3f}", flush=True)
-    trainer.fit(TinyModel(), train, val)
+    model = TinyModel()
+    trainer.fit(model, train, val)
+    if args.then_validate:
+        validate_options = json.loads(os.environ.get("NODE_VALIDATE_OPTIONS", "{}"))  # this node's own config
+        validator = pl.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            num_nodes=args.num_nodes,
+            strategy=SafeDDPStrategy(**validate_options),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        print("script: validate starts", flush=True)
+        validator.validate(model, val)
     if trainer.is_global_zero and args.out:
         with open(args.out, "w") as f:
             json.dump({"world_size": trainer.world_size, "global_step": trainer.global_step, "started": started}, f)

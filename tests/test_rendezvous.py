@@ -177,15 +177,6 @@ def test_options_are_validated():
 # ---------------------------------------------------------------------------------------------- processes
 
 SCRIPT = str(SCRIPTS / "rendezvous.py")
-
-
-def lightning_node(node_rank: int, port: int, *args: str, addr: str = "127.0.0.1", **kw: Any) -> list[str]:
-    return [SCRIPT, "--node-rank", str(node_rank), "--addr", addr, "--port", str(port), *args]
-
-
-# ---------------------------------------------------------------------------------------------- processes
-
-SCRIPT = str(SCRIPTS / "rendezvous.py")
 FIT_START = re.compile(r"script: fit starts at ([0-9.]+)")
 
 

@@ -264,8 +264,15 @@ def two_nodes(
 def test_nodes_started_for_different_num_nodes_raise_on_both_within_seconds():
     """Node 0 with num_nodes=2, node 1 with num_nodes=3 (report interval 30 s, no rendezvous timeout): both raise
     the same SetupMismatchError naming both set-ups, within seconds of the second one's fit start."""
-    port = free_port()
-    ended = two_nodes(port, ["--num-nodes", "2"], ["--num-nodes", "3"])
+    ended = two_nodes(free_port(), ["--num-nodes", "2"], ["--num-nodes", "3"])
+    errors = same_setup_mismatch_on_both(ended)
+    assert "world size 2 (num_nodes=2, devices=1)" in errors[0] and "world size 3 (num_nodes=3, devices=1)" in errors[0]
+    assert "The ranks were started for different set-ups: rank " in errors[0]
+    assert "Start every node with the same Trainer(num_nodes=..., devices=...)" in errors[0]
+
+
+def same_setup_mismatch_on_both(ended: list[tuple[Run, float]]) -> list[str]:
+    """Both nodes' SetupMismatchError texts, asserted equal, each node's exit code 1 within 15 s of the later start."""
     runs = [run for run, _ in ended]
     errors = []
     for run in runs:
@@ -273,13 +280,12 @@ def test_nodes_started_for_different_num_nodes_raise_on_both_within_seconds():
         found = re.search(r"ddp_strategy\.errors\.SetupMismatchError: (.*)", run.output)
         assert found is not None, run.describe()
         errors.append(found.group(1))
+        assert "All distributed processes registered" not in run.output  # raised before init_process_group
     assert errors[0] == errors[1]
-    assert "world size 2 (num_nodes=2, devices=1)" in errors[0] and "world size 3 (num_nodes=3, devices=1)" in errors[0]
-    assert "The ranks were started for different set-ups: rank " in errors[0]
-    assert "Start every node with the same Trainer(num_nodes=..., devices=...)" in errors[0]
     second_start = max(fit_start(run) for run in runs)
     for run, end in ended:  # the process exit, after the error's traceback
         assert end - second_start < 15, run.describe()
+    return errors
 
 
 #: Node 1's job config turns DDP's buffer broadcast off; node 0's leaves it on (the script's model has a buffer)
@@ -293,15 +299,7 @@ def test_nodes_given_different_strategy_options_raise_on_both_naming_the_option_
     both values and the script's line that made the strategy; exit code 1, within seconds of the second fit start.
     """
     ended = two_nodes(free_port(), ["--num-nodes", "2"], ["--num-nodes", "2"], configs=BUFFERS_OFF_ON_NODE_1)
-    runs = [run for run, _ in ended]
-    errors = []
-    for run in runs:
-        assert run.returncode == 1 and not run.timed_out and not run.orphans, run.describe()
-        found = re.search(r"ddp_strategy\.errors\.SetupMismatchError: (.*)", run.output)
-        assert found is not None, run.describe()
-        errors.append(found.group(1))
-        assert "All distributed processes registered" not in run.output  # before init_process_group
-    assert errors[0] == errors[1]
+    errors = same_setup_mismatch_on_both(ended)
     host = socket.gethostname()
     line = re.search(r"strategy = SafeDDPStrategy\(", Path(SCRIPT).read_text())
     assert line is not None
@@ -319,9 +317,6 @@ def test_nodes_given_different_strategy_options_raise_on_both_naming_the_option_
         )
         for second in (0, 1)
     ), errors[0]
-    second_start = max(fit_start(run) for run in runs)
-    for run, end in ended:  # the process exit, after the error's traceback
-        assert end - second_start < 15, run.describe()
 
 
 @pytest.mark.multiprocess

@@ -2930,3 +2930,37 @@ def test_the_step_pauses_runs_with_the_sigterm_broadcast_skipped_are_the_result_
         f"({step_dumps * 1e3:.3f}), while its beats ({loaded['beats']['MainThread']['longest_cpu_s'] * 1e3:.3f}) "
         f"and unpickling ({loaded['step_unpickles']['MainThread']['longest_cpu_s'] * 1e3:.3f})" in section
     )
+
+
+def test_point_1_remeasured_at_4d75014_is_the_result_files():
+    """bench/README.md's table of point 1 at 4d75014: the tiny model's and the MLP's own CPU by part."""
+    section = _bench_section("#### Point 1 re-measured at 4d75014 (2026-12-03)")
+    rows = {}
+    for workload in ("tiny", "mlp"):
+        (row,) = result(f"strategy_cost-{workload}-options-4d75014")["workloads"]
+        assert row["workload"] == workload
+        rows[workload] = row
+    tiny, mlp = rows["tiny"], rows["mlp"]
+
+    def logged(row: dict[str, Any]) -> float:
+        return (row["own_per_method_s"]["reduce"] + row["own_per_method_s"]["self.log wrapper"]) * 1e6
+
+    def thread(row: dict[str, Any]) -> float:
+        return row["threads_cpu_per_step_s"]["ddp_strategy-heartbeat-rank0"] * 1e6
+
+    own = {name: row["own_cpu_per_step_s"] * 1e6 for name, row in rows.items()}
+    value = {name: row["per_sync_dist_value_s"]["median"] * 1e6 for name, row in rows.items()}
+    start = {name: row["own_per_method_s"]["on_train_batch_start"] * 1e6 for name, row in rows.items()}
+    expected = [
+        f"| step CPU (ms, median) | {tiny['step_cpu_median_s'] * 1e3:.1f} | {mlp['step_cpu_median_s'] * 1e3:.1f} |",
+        f"| own CPU per step, in all | {own['tiny']:.0f} | {own['mlp']:.0f} |",
+        f"| {logged(tiny):.1f} | {logged(mlp):.1f} |",
+        f"| {thread(tiny):.1f} | {thread(mlp):.1f} |",
+        f"once a second) | {start['tiny']:.1f} | {start['mlp']:.1f} |",
+        f"| per `sync_dist` value: wrapper and `reduce`, median | {value['tiny']:.1f} | {value['mlp']:.1f} |",
+        f"the tiny step's own CPU is {own['tiny'] - logged(tiny):.0f} us (50 allowed); the MLP's "
+        f"{own['mlp'] - logged(mlp):.0f} us",
+        f"A `sync_dist` value costs {value['tiny']:.1f} us on the tiny model and {value['mlp']:.1f} on the MLP",
+    ]
+    for text in expected:
+        assert text in section, text

@@ -565,3 +565,54 @@ def test_on_the_training_thread_a_beat_never_dumps_the_dump_has_a_step_of_its_ow
     ranks[0]._next = float("inf")  # no new dump is due then: the beat publishes what the step's dump found
     assert compare(ranks[0], store, background=False) == ("0", 2) and recorder.dumps == 2
     assert store.check([ranks[0].key]) and not ranks[0].due()
+
+
+def test_a_recorder_keeping_more_than_the_audits_entries_ends_the_dumps_during_training_with_one_warning_on_rank_0(
+    recorder: FakeRecorder, monkeypatch: pytest.MonkeyPatch
+):
+    """A group made before the strategy's: torch's 2000 entries, whose dump holds the GIL about 20 ms (issue 30)."""
+    recorder.size = 2000
+    clock = [100.0]
+    monkeypatch.setattr(audit_module.time, "monotonic", lambda: clock[0])
+    store = torch.distributed.HashStore()
+    ranks = [RecorderAudit(rank, 2, interval=5.0, entries=8, cpu_share=1.0) for rank in (0, 1)]
+    recorder.call(6)
+    clock[0] += 5.0
+    for audit in ranks:  # a recorder holding no more than the audit's size shows nothing yet
+        compare(audit, store)
+        assert audit.oversized is None
+    recorder.call(30, line=11)
+    clock[0] += 5.0
+    with pytest.warns(UserWarning) as shown:
+        compare(ranks[0], store)
+        compare(ranks[1], store)
+    assert [str(w.message) for w in shown] == [audit_module.OVERSIZED_RING.format(entries=36, most=8)]  # rank 0's
+    assert "TORCH_FR_BUFFER_SIZE=8" in str(shown[0].message) and "init_process_group" in str(shown[0].message)
+    assert [audit.oversized for audit in ranks] == [36, 36]
+    assert [audit.calls.newest for audit in ranks] == [{"0": 36}, {"0": 36}]  # that dump's calls are still audited
+    dumps = recorder.dumps
+    recorder.call(100)
+    clock[0] += 60.0
+    for audit in ranks:  # no dump during training from now on: not at a beat, not as an epoch starts
+        assert not audit.due() and not audit.dump_due()
+        audit.dump_if_due()
+        audit.dump_if_due(background=False)
+        audit.dump_now()
+        assert not audit.fetched
+    assert recorder.dumps == dumps
+    assert ranks[0].update()["0"] and recorder.dumps == dumps + 1  # a stage's end still dumps, compared everywhere
+    assert ranks[0].calls.newest == {"0": 136}
+
+
+def test_the_training_threads_own_dump_shows_an_oversized_recorder_too(recorder: FakeRecorder):
+    recorder.size = 2000
+    recorder.call(9)
+    audit = RecorderAudit(1, 2, interval=5.0, entries=8, cpu_share=1.0)  # rank 1: no warning
+    audit.dump_now()
+    audit.continue_fetched()  # the unpickling, where the entries are first seen
+    assert audit.oversized == 9 and not audit.dump_due()
+    small = RecorderAudit(1, 2, interval=5.0, entries=8, cpu_share=1.0)
+    recorder.size = 8  # the strategy's size: the recorder never holds more
+    small.dump_now()
+    small.continue_fetched()
+    assert small.oversized is None

@@ -204,7 +204,9 @@ class DesyncMonitor:
         control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, HOLDING_KEY, RANK0_STOPPING_KEY, shared=True)
         for counter in (_INQUIRY_KEY, _STUCK_KEY):  # both exist from now on: a beat reads them in one round trip
             control.store.add(counter, 0)
-        collective_trace()  # the first dump with stacks is the slowest: here, before training, on the training thread
+        # the first dump with stacks is the slowest: here, before training, on the training thread; it shows a
+        # recorder filled before this stage (a group made before the strategy's) keeping more than the audit's
+        self.recorder.note_size(len(collective_trace()))
         control.heartbeat.add_beat(self.beat)
 
     # ------------------------------------------------------------------ watching

@@ -12,6 +12,10 @@ whole length, about 5 us per entry kept (15 us with cold caches) whatever is new
   few;
 * and never sooner after a dump than that dump's CPU time divided by :data:`AUDIT_CPU_SHARE`: with many calls a
   second the audit samples them (each dump audits the newest entries) instead of taking more of the CPU;
+* a recorder that keeps more entries than that (its size is taken when the process's first group is made: a group
+  made before the strategy's keeps torch's 2000, whose dump holds the GIL about 20 ms) ends the dumps during
+  training as soon as a dump shows it (:meth:`RecorderAudit.note_size`, with a warning on rank 0); the dumps at
+  stage ends and for a report stay;
 * while the training thread trains it runs the beats (:meth:`~ddp_strategy.heartbeat.Heartbeat.note_step`), and a
   dump due at a beat comes at the training step after it, alone
   (:meth:`~ddp_strategy.heartbeat.Heartbeat.at_next_step`), its unpickling at the step after that and its parsing
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -49,13 +54,24 @@ from .collective_record import (
 )
 from .store import Store
 
-__all__ = ["AUDIT_CPU_SHARE", "RecorderAudit", "let_go_of_the_gil"]
+__all__ = ["AUDIT_CPU_SHARE", "OVERSIZED_RING", "RecorderAudit", "let_go_of_the_gil"]
 
 #: The share of one CPU the audit's dumps may take on average (1e-4: 100 us per second).
 AUDIT_CPU_SHARE = 1e-4
 _AUDIT_KEY = "desync/audit/{rank}"
 _PARSED_AT_ONCE = 4  # entries parsed between two short sleeps (the GIL let go): 0.1-0.4 ms of a loaded CPU
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
+#: Rank 0's warning when a dump shows the recorder keeping more entries than the audit's (RecorderAudit.note_size)
+OVERSIZED_RING = (
+    "ddp_strategy: torch's Flight Recorder holds {entries} collectives in this process, more than the {most} "
+    "desync detection sizes it to: the process group was made before SafeDDPStrategy could size it "
+    "(`init_process_group` called before the Trainer, or an earlier fit with another strategy), or "
+    "TORCH_FR_BUFFER_SIZE is set. A dump of that many holds the GIL for milliseconds (torch's default size, 2000: "
+    "about 20 ms), so the audit of recorded collectives no longer runs during training, only at stage "
+    "ends and when ranks stop; the comparison of the strategy's own collectives goes on. For the audit during "
+    "training, let SafeDDPStrategy make the process group (do not call `init_process_group` yourself before "
+    "`Trainer.fit`) or set TORCH_FR_BUFFER_SIZE={most} in the launch environment."
+)
 
 
 def let_go_of_the_gil() -> None:
@@ -105,16 +121,34 @@ class RecorderAudit:
         self._budgeted = False  # whether their work counts in the budget (a dump of dump_if_due's, not dump_now's)
         self._scheduled_at: tuple[float, float] | None = None  # (when, CPU) of such a dump, scheduled at unpickling
         self._next = time.monotonic() + interval  # the heartbeat's next dump
+        #: the entries of the first dump that held more than ``entries`` (no dumps during training since), else None
+        self.oversized: int | None = None
         self._counted = (time.monotonic(), 0)  # (when, calls recorded by then) at the heartbeat's last dump
         self._lock = threading.Lock()
 
     def due(self) -> bool:
         """Whether the heartbeat should audit now: a dump is due, or one made elsewhere is not yet published."""
-        return self._unpublished or time.monotonic() >= self._next
+        return self._unpublished or self.dump_due()
 
     def dump_due(self) -> bool:
         """Whether the next dump is due (:meth:`dump_if_due` would dump now)."""
-        return time.monotonic() >= self._next
+        return self.oversized is None and time.monotonic() >= self._next
+
+    def note_size(self, entries: int) -> None:
+        """A dump held ``entries``: more than the audit's :attr:`entries` ends its dumps during training, once.
+
+        Torch's recorder takes its size from the environment when the process's first group is made. When that was
+        not the strategy's group (``init_process_group`` called before the Trainer, an earlier fit with another
+        strategy) or ``TORCH_FR_BUFFER_SIZE`` is set, it keeps more, torch's 2000 by default, and one dump of them
+        holds the GIL for about 20 ms: a pause of the training thread every few seconds. Rank 0 warns
+        (:data:`OVERSIZED_RING`); the ledger of the strategy's own collectives, the dumps at stage ends and the
+        reports of an inquiry go on.
+        """
+        if entries <= self.entries or self.oversized is not None:
+            return
+        self.oversized = entries
+        if self.rank == 0:
+            warnings.warn(OVERSIZED_RING.format(entries=entries, most=self.entries), UserWarning, stacklevel=2)
 
     def _dump(self, *, background: bool = True) -> int:
         """Add the recorder's new calls (one dump with stacks, unless its counters did not move); the calls made.
@@ -137,6 +171,7 @@ class RecorderAudit:
                     recorded = collective_trace(let_go)  # the GIL let go between the dump and its unpickling too
             else:
                 recorded, status = collective_dump()
+            self.note_size(len(recorded))
             if status != self._status:
                 self._status = status
                 if let_go:
@@ -209,6 +244,7 @@ class RecorderAudit:
         start = time.thread_time()
         self._pickled = None
         recorded, status = collective_dump_unpickled(pickled)
+        self.note_size(len(recorded))
         if status != self._status:
             self._status, self._fetched = status, recorded
         if self._scheduled_at is not None:
@@ -241,9 +277,11 @@ class RecorderAudit:
         Called by the training thread as each training epoch starts (the previous epoch's last calls: its end hooks,
         its validation): once per epoch, without the pauses that let a training thread take the GIL (it is that
         thread). Torch's dump only: the unpickling and the parsing come at its next steps (:meth:`continue_fetched`),
-        published at the next beat after them.
+        published at the next beat after them. None once the recorder showed more entries than the audit's
+        (:meth:`note_size`).
         """
-        self._fetch()
+        if self.oversized is None:
+            self._fetch()
 
     def dump_if_due(self, *, background: bool = True) -> None:
         """The audit's dump when one is due; then the next one's time.
@@ -260,7 +298,7 @@ class RecorderAudit:
 
         """
         now = time.monotonic()
-        if now < self._next:
+        if now < self._next or self.oversized is not None:
             return
         start = time.thread_time()
         if background:

@@ -61,6 +61,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import ddp_strategy.control as control_module  # noqa: E402
 from bench.results_io import machine, write  # noqa: E402
 from ddp_strategy import SafeDDPStrategy  # noqa: E402
+from ddp_strategy import strategy as strategy_module  # noqa: E402
 from ddp_strategy.collective_record import LogSites  # noqa: E402
 from ddp_strategy.desync import DesyncMonitor  # noqa: E402
 from ddp_strategy.desync_audit import RecorderAudit  # noqa: E402
@@ -161,16 +162,54 @@ LOG_WRAPPER = "self.log wrapper"
 PER_CALL = ("reduce", "all_gather", "broadcast", LOG_WRAPPER)
 
 
-def instrument_strategy(counters: Counters) -> Callable[[], None]:
-    """Wrap every method SafeDDPStrategy defines and its ``super()`` target; returns the function that undoes it."""
+class PassThroughDDPStrategy(DDPStrategy):
+    """The control (``--control``): ``DDPStrategy`` with SafeDDPStrategy's per-step overrides, each doing nothing else.
+
+    Timed exactly as ``SafeDDPStrategy`` is, its figures are what the instrument reads for an override that only
+    calls ``super()`` at the same places of the step (its ``reduce`` makes the strategy's collective,
+    ``all_reduce_value``, not counted either): the in-situ floor of the method, which the warm calibration does not
+    remove, plus a call's cost that any strategy overriding the method pays.
+    """
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        return strategy_module.all_reduce_value(tensor, group, reduce_op)
+
+
+class PassThroughLog(Callback):
+    """The control's ``self.log`` wrapper (``--control``): calls the module's ``log``, nothing else, timed as
+    ``SafeDDPStrategy``'s wrapper is (less the ``LightningModule.log`` it calls)."""
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        inner = _timed(pl_module.log, LOG_WRAPPER, self.counters, inner=True)
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            return inner(name, value, *args, **kwargs)
+
+        pl_module.log = _timed(log, LOG_WRAPPER, self.counters)  # type: ignore[method-assign]
+
+
+def instrument_strategy(counters: Counters, cls: type[DDPStrategy] = SafeDDPStrategy) -> Callable[[], None]:
+    """Wrap every method ``cls`` defines and its ``super()`` target; returns the function that undoes it."""
     undo: list[Callable[[], None]] = []
-    for name, attr in list(vars(SafeDDPStrategy).items()):
+    for name, attr in list(vars(cls).items()):
         if name.startswith("__") or not callable(attr) or isinstance(attr, (staticmethod, classmethod, type)):
             continue
-        setattr(SafeDDPStrategy, name, _timed(attr, name, counters))
-        undo.append(functools.partial(setattr, SafeDDPStrategy, name, attr))
+        setattr(cls, name, _timed(attr, name, counters))
+        undo.append(functools.partial(setattr, cls, name, attr))
         parent = getattr(DDPStrategy, name, None)
-        if callable(parent):  # what super().<name>() reaches: only SafeDDPStrategy's methods call it in this script
+        if callable(parent):  # what super().<name>() reaches: only ``cls``'s methods call it in this script
             had_own = name in vars(DDPStrategy)
             setattr(DDPStrategy, name, _timed(parent, name, counters, inner=True))
             undo.append(
@@ -182,8 +221,6 @@ def instrument_strategy(counters: Counters) -> Callable[[], None]:
     # the strategy's `reduce` makes its collective through `all_reduce_value` (Lightning's `DDPStrategy.reduce`
     # without the barrier; on gloo an all-gather and the sum of its rows, in place of gloo's all-reduce and its sum):
     # the collective, as `DDPStrategy.reduce` was, is not the strategy's own time
-    from ddp_strategy import strategy as strategy_module
-
     reduce_value = strategy_module.all_reduce_value
     setattr(strategy_module, "all_reduce_value", _timed(reduce_value, "reduce", counters, inner=True))  # noqa: B010
     undo.append(functools.partial(setattr, strategy_module, "all_reduce_value", reduce_value))
@@ -473,7 +510,10 @@ def own_per_step(window: Window) -> tuple[dict[str, float], dict[str, int], dict
     return own, {k: v for k, v in calls.items() if k in own}, threads
 
 
-def fit(workload: str, devices: int, steps: int, root: str, heartbeat_parts: bool = False) -> dict[str, Any]:
+def fit(
+    workload: str, devices: int, steps: int, root: str, heartbeat_parts: bool = False, control: bool = False
+) -> dict[str, Any]:
+    """One timed fit of ``workload``: ``SafeDDPStrategy()``, or with ``control`` :class:`PassThroughDDPStrategy`."""
     torch.manual_seed(0)
     model: pl.LightningModule
     if workload == "mlp":
@@ -493,12 +533,13 @@ def fit(workload: str, devices: int, steps: int, root: str, heartbeat_parts: boo
     window = Window(counters, steps, parts)
     CONTROL_GROUP_THREADS.clear()
     restore = [
-        instrument_strategy(counters),
+        instrument_strategy(counters, PassThroughDDPStrategy if control else SafeDDPStrategy),
         instrument_callback_hooks(counters),
         instrument_control_group(),
         instrument_log_sites(counters),
         *([parts.install()] if parts is not None else []),
     ]
+    strategy = PassThroughDDPStrategy() if control else SafeDDPStrategy(desync_detection=not NO_DESYNC)
     stop_idle = threading.Event()
     idle_reference(stop_idle)
     try:
@@ -507,9 +548,9 @@ def fit(workload: str, devices: int, steps: int, root: str, heartbeat_parts: boo
             accelerator="cpu",
             devices=devices,
             # DDP_STRATEGY_BENCH_NO_DESYNC=1: the same without desync detection, for a side-by-side figure
-            strategy=SafeDDPStrategy(desync_detection=not NO_DESYNC),
+            strategy=strategy,
             max_epochs=1,  # one epoch of WARMUP + steps + 1 steps: the epoch-end check runs once, after the window
-            callbacks=[window],
+            callbacks=[window, *([PassThroughLog(counters)] if control else [])],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -531,6 +572,7 @@ def fit(workload: str, devices: int, steps: int, root: str, heartbeat_parts: boo
     heartbeat = next((cpu for name, cpu in threads.items() if name.startswith("ddp_strategy-heartbeat")), 0.0)
     return {
         "workload": workload,
+        "strategy": "control" if control else "safe",
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps": steps,
         "step_cpu_median_s": step_cpu,
@@ -644,6 +686,7 @@ def render(result: dict[str, Any]) -> list[str]:
             else f"{value['median'] * 1e6:.1f} [{value['p10'] * 1e6:.1f}, {value['p90'] * 1e6:.1f}]"
         )
         lines.append(f"- {row['workload']}: {text}")
+    lines += render_control(result)
     with_parts = [row for row in result["workloads"] if "heartbeat_parts" in row]
     if with_parts:
         head = (
@@ -662,6 +705,40 @@ def render(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render_control(result: dict[str, Any]) -> list[str]:
+    """``--control``: each per-step key of the control beside the strategy's, and their difference (us per step)."""
+    controls = {row["workload"]: row for row in result.get("control_workloads", [])}
+    if not controls:
+        return []
+    lines = [
+        "",
+        "The control (`--control`): `PassThroughDDPStrategy`, a `DDPStrategy` whose per-step overrides "
+        "(`on_train_batch_start`, `post_backward`, `optimizer_step`, `reduce`) only call `super()` (its `reduce` "
+        "the strategy's collective) and a `self.log` wrapper that only calls the module's `log`, fitted and timed "
+        "the same way just before the strategy's fit: what the instrument reads at those places for code that does "
+        "nothing else (us per step; per value: median of the wrapper and `reduce` summed):",
+        "",
+        "| workload | key | `SafeDDPStrategy()` | control | strategy less control |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["workloads"]:
+        control = controls.get(row["workload"])
+        if control is None:
+            continue
+        for key, cpu in control["own_per_method_s"].items():
+            if key.startswith(f"{Reference.__name__}."):
+                continue
+            mine = row["own_per_method_s"].get(key, 0.0)
+            lines.append(
+                f"| {row['workload']} | `{key}` | {mine * 1e6:.1f} | {cpu * 1e6:.1f} | {(mine - cpu) * 1e6:.1f} |"
+            )
+        mine_value, control_value = row.get("per_sync_dist_value_s"), control.get("per_sync_dist_value_s")
+        if mine_value is not None and control_value is not None:
+            a, b = mine_value["median"] * 1e6, control_value["median"] * 1e6
+            lines.append(f"| {row['workload']} | per `sync_dist` value | {a:.1f} | {b:.1f} | {a - b:.1f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
@@ -672,16 +749,26 @@ def main() -> None:
     parser.add_argument(
         "--heartbeat-parts", action="store_true", help="time the heartbeat's parts on each thread too (HEARTBEAT_PARTS)"
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="before each workload's fit, time a fit of PassThroughDDPStrategy the same way (the instrument's floor)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     scratch = tempfile.mkdtemp(prefix="strategy-cost-")
-    rows = [fit(w, args.devices, args.steps, scratch, args.heartbeat_parts) for w in args.workloads]
+    rows, controls = [], []
+    for workload in args.workloads:
+        if args.control:
+            controls.append(fit(workload, args.devices, args.steps, scratch, control=True))
+        rows.append(fit(workload, args.devices, args.steps, scratch, args.heartbeat_parts))
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
     result = {
         "devices": args.devices,
         "desync_detection": not NO_DESYNC,
         "workloads": rows,
+        **({"control_workloads": controls} if controls else {}),
         **machine(),
     }
     name = args.name or ("strategy_cost_no_desync" if NO_DESYNC else "strategy_cost")

@@ -1,7 +1,7 @@
 """The CPU time SafeDDPStrategy's own code adds to a training step, measured directly by instrumentation.
 
 Usage: python bench/strategy_cost.py [--devices N] [--steps N] [--workloads mlp cifar tiny] [--results-dir DIR]
-                                    [--name NAME] [--heartbeat-parts]
+                                    [--name NAME] [--heartbeat-parts] [--control]
 
 ``bench/suite.py`` compares whole steps of interleaved fits of stock ``DDPStrategy`` and ``SafeDDPStrategy()``. On
 this shared 2-core machine the same configuration's step time moves by 2-6% between fits and rounds (where the
@@ -27,7 +27,9 @@ Writes ``strategy_cost.json`` and ``strategy_cost.md`` (``--name``: another name
 ``DDP_STRATEGY_BENCH_NO_DESYNC=1`` measures ``SafeDDPStrategy(desync_detection=False)`` into
 ``strategy_cost_no_desync.{json,md}``; ``--heartbeat-parts`` also times the heartbeat's parts on each thread (the
 beat on the training thread, its publication and hook; the audit's dump and parsing there; the look on the heartbeat
-thread and its store read; the rest is that thread's wake-ups and loop: ``HEARTBEAT_PARTS``).
+thread and its store read; the rest is that thread's wake-ups and loop: ``HEARTBEAT_PARTS``); ``--control`` fits
+:class:`PassThroughDDPStrategy` after each workload's fit, timed the same way, and reports each of its figures beside
+the strategy's with their difference (what the instrument reads where code does nothing else).
 """
 
 from __future__ import annotations

@@ -2964,3 +2964,37 @@ def test_point_1_remeasured_at_4d75014_is_the_result_files():
     ]
     for text in expected:
         assert text in section, text
+
+
+def test_the_instruments_floor_section_is_the_result_files():
+    """bench/README.md's control runs at 842e1db, and the control-first runs that showed an oversized recorder."""
+    section = _bench_section("#### The instrument's floor, and a process group the strategy did not make")
+
+    def logged(row: dict[str, Any]) -> float:
+        return (row["own_per_method_s"]["reduce"] + row["own_per_method_s"]["self.log wrapper"]) * 1e6
+
+    nets: dict[str, list[float]] = {"tiny": [], "mlp": []}
+    for workload in ("tiny", "mlp"):
+        for run in (1, 2, 3):
+            data = result(f"strategy_cost-control-{workload}-{run}-842e1db")
+            (mine,), (control,) = data["workloads"], data["control_workloads"]
+            assert mine["strategy"] == "safe" and control["strategy"] == "control" and mine["workload"] == workload
+            own, floor = mine["own_cpu_per_step_s"] * 1e6, control["own_cpu_per_step_s"] * 1e6
+            value = mine["per_sync_dist_value_s"]["median"] * 1e6
+            value_floor = control["per_sync_dist_value_s"]["median"] * 1e6
+            row = (
+                f"| {workload} | {run} | {mine['step_cpu_median_s'] * 1e3:.1f} | {own:.0f} | {floor:.0f} | "
+                f"{own - floor:.0f} | {value:.1f} | {value_floor:.1f} | {value - value_floor:.1f} |"
+            )
+            assert row in section, row
+            nets[workload].append(own - logged(mine) - (floor - logged(control)))
+    assert f"the tiny step's own CPU is {min(nets['tiny']):.0f}-{max(nets['tiny']):.0f} us" in section
+    assert f"the MLP's {min(nets['mlp']):.0f}-{max(nets['mlp']):.0f} (not met" in section
+    first = [
+        result(f"strategy_cost-control-first-mlp-{run}-136ddf2")["workloads"][0]["own_per_method_s"]
+        for run in (1, 2, 3)
+    ]
+    starts = sorted(m["on_train_batch_start"] * 1e6 for m in first)
+    assert f"cost {starts[0]:.0f}-{starts[-1]:.0f} us per step instead of about 80" in section
+    fixed = result("strategy_cost-control-first-mlp-fixed-842e1db")["workloads"][0]["own_per_method_s"]
+    assert f"the same control-first run then read {fixed['on_train_batch_start'] * 1e6:.1f} us" in section

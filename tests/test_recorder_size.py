@@ -2,7 +2,7 @@
 
 Torch sizes its recorder once, when the process's first group is made: a group made by the user's own
 ``init_process_group`` under torchrun, or by an earlier stock fit in the same processes, keeps torch's 2000 entries,
-whose dump holds the GIL about 20 ms (issue 30, point 2: no pause over 1 ms). ``tests/scripts/user_made_group.py``
+whose dump holds the GIL 20-30 ms (issue 30, point 2: no pause over 1 ms). ``tests/scripts/user_made_group.py``
 counts every dump made while the strategy's training steps run and the entries each held.
 """
 

@@ -13,7 +13,7 @@ whole length, about 5 us per entry kept (15 us with cold caches) whatever is new
 * and never sooner after a dump than that dump's CPU time divided by :data:`AUDIT_CPU_SHARE`: with many calls a
   second the audit samples them (each dump audits the newest entries) instead of taking more of the CPU;
 * a recorder that keeps more entries than that (its size is taken when the process's first group is made: a group
-  made before the strategy's keeps torch's 2000, whose dump holds the GIL about 20 ms) ends the dumps during
+  made before the strategy's keeps torch's 2000, whose dump holds the GIL 20-30 ms) ends the dumps during
   training as soon as a dump shows it (:meth:`RecorderAudit.note_size`, with a warning on rank 0); the dumps at
   stage ends and for a report stay;
 * while the training thread trains it runs the beats (:meth:`~ddp_strategy.heartbeat.Heartbeat.note_step`), and a
@@ -67,7 +67,7 @@ OVERSIZED_RING = (
     "desync detection sizes it to: the process group was made before SafeDDPStrategy could size it "
     "(`init_process_group` called before the Trainer, or an earlier fit with another strategy), or "
     "TORCH_FR_BUFFER_SIZE is set. A dump of that many holds the GIL for milliseconds (torch's default size, 2000: "
-    "about 20 ms), so the audit of recorded collectives no longer runs during training, only at stage "
+    "20-30 ms), so the audit of recorded collectives no longer runs during training, only at stage "
     "ends and when ranks stop; the comparison of the strategy's own collectives goes on. For the audit during "
     "training, let SafeDDPStrategy make the process group (do not call `init_process_group` yourself before "
     "`Trainer.fit`) or set TORCH_FR_BUFFER_SIZE={most} in the launch environment."
@@ -140,9 +140,9 @@ class RecorderAudit:
         Torch's recorder takes its size from the environment when the process's first group is made. When that was
         not the strategy's group (``init_process_group`` called before the Trainer, an earlier fit with another
         strategy) or ``TORCH_FR_BUFFER_SIZE`` is set, it keeps more, torch's 2000 by default, and one dump of them
-        holds the GIL for about 20 ms: a pause of the training thread every few seconds. Rank 0 warns
-        (:data:`OVERSIZED_RING`); the ledger of the strategy's own collectives, the dumps at stage ends and the
-        reports of an inquiry go on.
+        holds the GIL for 20-30 ms (``bench/results/recorder_dump_cost-2000-*``): a pause of the training thread
+        every few seconds. Rank 0 warns (:data:`OVERSIZED_RING`); the ledger of the strategy's own collectives, the
+        dumps at stage ends and the reports of an inquiry go on.
         """
         if entries <= self.entries or self.oversized is not None:
             return

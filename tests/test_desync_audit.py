@@ -412,6 +412,48 @@ def test_after_a_verdict_a_rank_exits_only_while_its_training_thread_stays_in_on
     assert "blocked inside a collective" in err
 
 
+class GoneStore:
+    """Rank 0's store after rank 0 exited: every look fails."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_a_blocked_rank_other_than_0_exits_after_rank_0_stopped_and_at_the_latest_bound_after_the_verdict():
+    """Rank 0's exit releases the others' collectives, which then raise the agreed error through the launcher: a
+    rank other than 0 exits by itself only when its collective did not return 2 s after rank 0 stopped, or at the
+    latest 9 s after the verdict (rank 0 announces its stop within about 7). The same at any rank number."""
+    control = FakeControl()
+    control.rank, control.world_size = 4095, 4096  # type: ignore[misc]  # before: 0.5 s per rank, 34 minutes
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    now = time.monotonic()
+    assert not monitor._may_exit(control.store, now)  # rank 0 has not stopped yet
+    assert not monitor._may_exit(control.store, now - desync_module._BREAK_LATEST + 1.0)
+    control.store.set(desync_module.RANK0_STOPPING_KEY, "1")
+    assert not monitor._may_exit(control.store, now)  # rank 0 just stopped: its exit may release the collective
+    assert monitor._rank0_stopped_at is not None
+    monitor._rank0_stopped_at -= desync_module._AFTER_RANK0
+    assert monitor._may_exit(control.store, now)  # it did not return: exit
+
+    gone = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    assert not gone._may_exit(GoneStore(), now)  # type: ignore[arg-type]  # rank 0 has exited: its store is gone
+    assert gone._rank0_stopped_at is not None
+
+    late = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    assert desync_module._BREAK_LATEST == 9.0
+    assert late._may_exit(FakeControl().store, now - desync_module._BREAK_LATEST)  # rank 0 never said it stops
+
+
+def test_a_blocked_rank_0_exits_one_second_after_the_verdict_without_a_store_look():
+    control = FakeControl()
+    monitor = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
+    now = time.monotonic()
+    assert control.rank == 0
+    assert not monitor._may_exit(GoneStore(), now)  # type: ignore[arg-type]
+    assert monitor._may_exit(GoneStore(), now - desync_module._BREAK_AFTER)  # type: ignore[arg-type]
+    assert monitor._rank0_stopped_at is None
+
+
 def test_reduce_adds_the_ledger_text_it_added_before_and_keeps_it_per_logged_value(monkeypatch: pytest.MonkeyPatch):
     calls = CollectiveCalls()
     monitor: Any = SimpleNamespace(control=SimpleNamespace(desync_error=None), ledger=CallLedger())

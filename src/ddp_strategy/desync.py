@@ -63,7 +63,15 @@ from .collective_record import (
 )
 from .control import ControlPlane, Store
 from .desync_audit import RecorderAudit, let_go_of_the_gil
-from .desync_exit import HOLDING_KEY, RANK0_STOPPING_KEY, await_rank0, poll_pause, rank0_stopping
+from .desync_exit import (
+    HOLDING_KEY,
+    RANK0_STOPPING_KEY,
+    VERDICT_WAIT,
+    await_rank0,
+    poll_pause,
+    rank0_gone,
+    rank0_stopping,
+)
 from .desync_verdict import (
     INCOMPLETE,
     NO_VERDICT,
@@ -109,7 +117,13 @@ _VERDICT_KEY = "desync/verdict/{inquiry}"  # the decision, written once (compare
 _READ_KEY = "desync/read/{inquiry}"  # how many ranks have read the verdict; the last deletes it
 _REPORTS_PER_READ = 16  # reports of about 150 KB: one batched read of 16 is a few MB
 _REPORT_WAIT = 6.0  # seconds an inquiry waits for every rank's report
-_BREAK_AFTER = 1.0  # seconds after the verdict before the highest blocked rank exits; then 0.5 s per rank below
+_BREAK_AFTER = 1.0  # seconds after the verdict before a blocked rank 0 exits
+#: Seconds a blocked rank other than 0 waits once rank 0 said it stops (or is gone): rank 0's exit makes the backend
+#: return the others' collectives with an error, which they then raise as the agreed error through the launcher.
+_AFTER_RANK0 = 2.0
+#: Seconds after the verdict when a blocked rank other than 0 exits whatever rank 0 did: rank 0 says it stops at the
+#: latest about _BREAK_AFTER + VERDICT_WAIT s after it (it waits for the others to hold the verdict first).
+_BREAK_LATEST = _BREAK_AFTER + VERDICT_WAIT + _AFTER_RANK0
 _EXIT_CODE = 1
 
 
@@ -198,6 +212,7 @@ class DesyncMonitor:
         self._verdict_at: float | None = None
         # where the training thread was at the last beat after a verdict while a collective was pending
         self._blocked_at: tuple[int, CodeType, int] | None = None
+        self._rank0_stopped_at: float | None = None  # when this rank first saw rank 0 stop, after a verdict
         self._shown = False  # this rank printed the agreed error already
         self._lock = threading.Lock()
         control.forget_at_close(self.recorder.key)
@@ -480,10 +495,12 @@ class DesyncMonitor:
     def _break_if_blocked(self, store: Store) -> None:
         """After the verdict: a rank still blocked in a backend collective prints the error and exits.
 
-        Rank 0 goes first, one second after the verdict, the others half a second apart after it: its exit closes
-        its connections, so the others' collectives return with an error, and they raise the agreed error instead
-        (through the strategy's launcher). Rank 0 first, because under Lightning's subprocess launcher it is the
-        parent of the node's other ranks, and kills itself at once when one of them exits with an error.
+        Rank 0 goes first, one second after the verdict: its exit closes its connections, so the others'
+        collectives return with an error, and they raise the agreed error instead (through the strategy's
+        launcher). Rank 0 first, because under Lightning's subprocess launcher it is the parent of the node's other
+        ranks, and kills itself at once when one of them exits with an error. Another rank still blocked exits
+        ``_AFTER_RANK0`` s after it saw rank 0 stop (its collective did not return), at the latest ``_BREAK_LATEST`` s
+        after the verdict: the same few seconds at any world size.
 
         Blocked means: a collective is pending and the training thread is in torch's code, in the same frame at the
         same instruction as at the last beat. A collective that returned with the backend's error stays pending in
@@ -498,8 +515,7 @@ class DesyncMonitor:
         blocked, self._blocked_at = mark is not None and mark == self._blocked_at, mark
         if not blocked:
             return
-        delay = _BREAK_AFTER + 0.5 * self.control.rank
-        if time.monotonic() - self._verdict_at < delay:
+        if not self._may_exit(store, self._verdict_at):
             return
         self._show(error)
         sys.stderr.write(
@@ -512,6 +528,17 @@ class DesyncMonitor:
         if self.control.rank == 0:
             self.rank0_stopping(store)
         os._exit(_EXIT_CODE)
+
+    def _may_exit(self, store: Store, verdict_at: float) -> bool:
+        """Whether this rank, blocked since the verdict, exits now (see :meth:`_break_if_blocked`): one store look."""
+        now = time.monotonic()
+        if self.control.rank == 0:
+            return now - verdict_at >= _BREAK_AFTER
+        if self._rank0_stopped_at is None and rank0_gone(store):
+            self._rank0_stopped_at = now
+        if self._rank0_stopped_at is not None and now - self._rank0_stopped_at >= _AFTER_RANK0:
+            return True
+        return now - verdict_at >= _BREAK_LATEST
 
     def rank0_stopping(self, store: Store | None = None, *, await_verdicts: bool = True) -> None:
         """On rank 0, before it exits with the agreed error: let the others take the verdict, then say it stops.

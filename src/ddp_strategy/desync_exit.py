@@ -16,7 +16,15 @@ from typing import Any
 
 from .store import Store
 
-__all__ = ["HOLDING_KEY", "RANK0_STOPPING_KEY", "await_rank0", "poll_pause", "rank0_stopping"]
+__all__ = [
+    "HOLDING_KEY",
+    "RANK0_STOPPING_KEY",
+    "VERDICT_WAIT",
+    "await_rank0",
+    "poll_pause",
+    "rank0_gone",
+    "rank0_stopping",
+]
 
 log = logging.getLogger("ddp_strategy.desync")
 
@@ -24,7 +32,8 @@ log = logging.getLogger("ddp_strategy.desync")
 HOLDING_KEY = "desync/holding"
 #: Rank 0 has printed the agreed error (it may exit any moment now).
 RANK0_STOPPING_KEY = "desync/rank0-stopping"
-_VERDICT_WAIT = 6.0  # seconds rank 0, before it exits, waits for the others to hold the verdict (the store is its)
+#: Seconds rank 0, before it exits, waits for the others to hold the verdict (the store is its).
+VERDICT_WAIT = 6.0
 
 
 def poll_pause(world_size: int) -> float:
@@ -55,7 +64,7 @@ def _a_silent_rank_among(control: Any, store: Store, ranks: Sequence[int]) -> bo
 def rank0_stopping(control: Any, store: Store | None = None, *, await_verdicts: bool = True) -> None:
     """On rank 0, before it exits with the agreed error: let the others take the verdict, then say it stops.
 
-    Rank 0 first waits (at most ``_VERDICT_WAIT`` seconds, less when a rank without it has died) until every rank
+    Rank 0 first waits (at most ``VERDICT_WAIT`` seconds, less when a rank without it has died) until every rank
     holds the verdict. Best effort: the error being raised is what matters.
 
     Args:
@@ -68,7 +77,7 @@ def rank0_stopping(control: Any, store: Store | None = None, *, await_verdicts: 
     try:
         if await_verdicts:
             world = control.world_size
-            deadline = time.monotonic() + _VERDICT_WAIT
+            deadline = time.monotonic() + VERDICT_WAIT
             next_look = time.monotonic()
             while time.monotonic() < deadline:
                 holding = _holding(store)
@@ -82,6 +91,15 @@ def rank0_stopping(control: Any, store: Store | None = None, *, await_verdicts: 
         store.set(RANK0_STOPPING_KEY, "1")
     except Exception as err:  # the error being raised is what matters
         log.debug("ddp_strategy: rank 0 could not announce its stop: %s", err)
+
+
+def rank0_gone(store: Store) -> bool:
+    """Whether rank 0 said it stops (:func:`rank0_stopping`), or its store cannot be reached: it has exited."""
+    try:
+        return bool(store.check([RANK0_STOPPING_KEY]))
+    except Exception as err:  # rank 0 hosts the store: it is gone
+        log.debug("ddp_strategy: rank 0's store is gone (%s)", err)
+        return True
 
 
 def await_rank0(control: Any, timeout: float = 3.0) -> None:

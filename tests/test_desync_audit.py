@@ -28,6 +28,7 @@ import ddp_strategy.desync as desync_module
 import ddp_strategy.desync_audit as audit_module
 from ddp_strategy.collective_calls import CollectiveCalls
 from ddp_strategy.collective_record import (
+    TRACE_ENTRIES,
     CallAudit,
     CallLedger,
     CallNotes,
@@ -644,6 +645,20 @@ def test_a_recorder_keeping_more_than_the_audits_entries_ends_the_dumps_during_t
     assert recorder.dumps == dumps
     assert ranks[0].update()["0"] and recorder.dumps == dumps + 1  # a stage's end still dumps, compared everywhere
     assert ranks[0].calls.newest == {"0": 136}
+
+
+def test_a_recorder_the_strategy_did_not_size_ends_the_dumps_during_training_at_set_up(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The process's first group was not the strategy's: the recorder keeps torch's 2000 (the life cycle passes
+    ``recorder_size()``), and the monitor knows it before training, before a dump could hold them all."""
+    monkeypatch.setattr(desync_module, "collective_trace", list)  # nothing recorded yet: the ring is empty
+    with pytest.warns(UserWarning) as shown:
+        monitor = DesyncMonitor(FakeControl(), CallNotes(), recorder_entries=2000)  # type: ignore[arg-type]
+    assert monitor.recorder.oversized == 2000 and not monitor.recorder.dump_due()
+    assert [str(w.message) for w in shown] == [audit_module.OVERSIZED_RING.format(entries=2000, most=TRACE_ENTRIES)]
+    sized = DesyncMonitor(FakeControl(), CallNotes(), recorder_entries=TRACE_ENTRIES)  # type: ignore[arg-type]
+    assert sized.recorder.oversized is None
 
 
 def test_the_training_threads_own_dump_shows_an_oversized_recorder_too(recorder: FakeRecorder):

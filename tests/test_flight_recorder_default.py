@@ -22,7 +22,7 @@ CALLS = 2100  # more than torch's default ring: the dump holds the ring's size
 PROGRAM = f"""
 import json, os, pickle, sys, tempfile, time
 import torch, torch.distributed as dist
-from ddp_strategy._compat.torch import collective_status
+from ddp_strategy._compat.torch import collective_status, recorder_size
 path = tempfile.mkdtemp()
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(path, "store"), 1), rank=0, world_size=1)
 for _ in range({CALLS}):
@@ -32,7 +32,7 @@ deadline = time.monotonic() + 10
 while time.monotonic() < deadline and any(enq != done for enq, done in collective_status().values()):
     time.sleep(0.01)
 entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)).get("entries", [])
-print(json.dumps({{"status": collective_status(), "entries": len(entries)}}))
+print(json.dumps({{"status": collective_status(), "entries": len(entries), "size": recorder_size()}}))
 dist.destroy_process_group()
 """
 
@@ -61,13 +61,47 @@ def test_torch_records_every_collective_by_default_in_a_ring_of_2000():
     default = recorded(None)
     assert list(default["status"]) == ["0"] and completed_as_torch_reports(default["status"]["0"], CALLS)
     assert default["entries"] == 2000
+    assert default["size"] == 2000  # what the strategy infers for a group it did not make
 
 
 def test_a_size_of_zero_turns_the_recorder_off_and_the_strategys_size_is_kept():
     from ddp_strategy.collective_record import TRACE_ENTRIES
 
-    assert recorded("0") == {"status": {}, "entries": 0}
-    assert recorded(str(TRACE_ENTRIES))["entries"] == TRACE_ENTRIES
+    assert recorded("0") == {"status": {}, "entries": 0, "size": 0}
+    sized = recorded(str(TRACE_ENTRIES))
+    assert sized["entries"] == TRACE_ENTRIES and sized["size"] == TRACE_ENTRIES
+
+
+SIZED_BY_THE_STRATEGY = """
+import json, os, pickle, sys, tempfile
+import torch, torch.distributed as dist
+from ddp_strategy._compat.torch import collective_trace_enabled, recorder_size
+path = tempfile.mkdtemp()
+with collective_trace_enabled(8) as size:  # as the strategy makes the default group
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(path, "store"), 1), rank=0, world_size=1)
+for _ in range(20):
+    dist.all_reduce(torch.ones(1))
+entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)).get("entries", [])
+with collective_trace_enabled(8) as again:  # a second stage: the group exists, the recorder keeps its size
+    pass
+print(json.dumps({"yielded": [size, again], "size": recorder_size(), "entries": len(entries),
+                  "env": os.environ.get("TORCH_FR_BUFFER_SIZE")}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("user_size", [None, "64"])
+def test_the_size_the_strategy_gave_the_recorder_is_known_later_and_the_environment_is_as_it_was(
+    user_size: str | None,
+):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    if user_size is not None:
+        env["TORCH_FR_BUFFER_SIZE"] = user_size
+    run = run_script(["-c", SIZED_BY_THE_STRATEGY], timeout=120, env=env)
+    assert run.returncode == 0, run.output[-2000:]
+    out = json.loads(run.output.strip().splitlines()[-1])
+    size = 8 if user_size is None else int(user_size)
+    assert out == {"yielded": [size, size], "size": size, "entries": min(20, size), "env": user_size}
 
 
 def test_the_docs_give_the_strategys_ring_size_and_torchs_default():

@@ -19,7 +19,7 @@ from tests.proc import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_made_group.py"
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-WARNING = re.compile(r"UserWarning: ddp_strategy: torch's Flight Recorder holds (\d+) collectives in this process")
+WARNING = re.compile(r"UserWarning: ddp_strategy: torch's Flight Recorder keeps (\d+) collectives in this process")
 
 
 def dumps_per_rank(output: str) -> dict[int, list[int]]:
@@ -28,23 +28,22 @@ def dumps_per_rank(output: str) -> dict[int, list[int]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("group", ["user", "earlier-fit", "strategy"])
+@pytest.mark.parametrize("group", ["user", "user-sized", "earlier-fit", "strategy"])
 def test_the_audit_dumps_during_training_only_a_recorder_of_its_own_size(group: str):
-    run = run_script([*TORCHRUN, str(SCRIPT), group], timeout=180)
+    # user-sized: the user's group, with the size the warning names set in the launch environment
+    env = {"TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES)} if group == "user-sized" else None
+    run = run_script([*TORCHRUN, str(SCRIPT), group.removesuffix("-sized")], timeout=180, env=env)
     assert not run.timed_out and not run.orphans and run.returncode == 0, run.describe()
     assert run.output.count("fit-done") == 2, run.describe()
     dumps = dumps_per_rank(run.output)
     assert set(dumps) == {0, 1}, run.describe()
     warned = [int(n) for n in WARNING.findall(run.output)]
-    if group == "strategy":  # the strategy sized it: dumps during training, none over its size, no warning
+    if group in ("strategy", "user-sized"):  # sized for the audit: dumps during training, none over it, no warning
         assert warned == [], run.describe()
         assert all(sizes and max(sizes) <= TRACE_ENTRIES for sizes in dumps.values()), run.describe()
         return
     assert len(warned) == 1 and warned[0] > TRACE_ENTRIES, run.describe()  # rank 0's, with what it saw
     assert "TORCH_FR_BUFFER_SIZE=8" in run.output, run.describe()
-    if group == "earlier-fit":  # the stock fit filled the recorder: seen at set-up, before any training step
-        assert warned[0] > 200 and dumps == {0: [], 1: []}, run.describe()
-        return
-    for sizes in dumps.values():  # the user's group: the first dump holding more than the audit's size is the last
-        big = [i for i, n in enumerate(sizes) if n > TRACE_ENTRIES]
-        assert big == [len(sizes) - 1], run.describe()
+    # the strategy did not make the process's first group: it knows at set-up that the recorder keeps torch's 2000
+    # (the launch environment sets no size), and no dump is made while the training steps run
+    assert warned == [2000] and dumps == {0: [], 1: []}, run.describe()

@@ -177,6 +177,9 @@ class DesyncMonitor:
         ledger: the count and digest of the strategy's own collectives, compared with the next rank's each beat.
         stuck_after: seconds of an unchanged wait before this rank counts as stuck.
         audit_interval: the longest time between two audits of the recorded collectives (:class:`RecorderAudit`).
+        recorder_entries: the entries torch's Flight Recorder keeps in this process
+            (:func:`~ddp_strategy._compat.torch.recorder_size`; by default the audit's own size, as when the strategy
+            made the process's first group). More than the audit's ends its dumps during training from the start.
 
     """
 
@@ -189,6 +192,7 @@ class DesyncMonitor:
         ledger: CallLedger | None = None,
         stuck_after: float = STUCK_AFTER,
         audit_interval: float = AUDIT_INTERVAL,
+        recorder_entries: int = TRACE_ENTRIES,
     ) -> None:
         self.control = control
         self.notes = notes
@@ -219,9 +223,10 @@ class DesyncMonitor:
         control.forget_at_close(_INQUIRY_KEY, _STUCK_KEY, HOLDING_KEY, RANK0_STOPPING_KEY, shared=True)
         for counter in (_INQUIRY_KEY, _STUCK_KEY):  # both exist from now on: a beat reads them in one round trip
             control.store.add(counter, 0)
-        # the first dump with stacks is the slowest: here, before training, on the training thread; it shows a
-        # recorder filled before this stage (a group made before the strategy's) keeping more than the audit's
-        self.recorder.note_size(len(collective_trace()))
+        # the first dump with stacks is the slowest: here, before training, on the training thread. A recorder the
+        # strategy did not size (a group made before the strategy's) keeps torch's 2000 unless the environment says
+        # otherwise: known here, before its first dump during training could hold them all
+        self.recorder.note_size(max(len(collective_trace()), recorder_entries))
         control.heartbeat.add_beat(self.beat)
 
     # ------------------------------------------------------------------ watching

@@ -63,7 +63,7 @@ _PARSED_AT_ONCE = 4  # entries parsed between two short sleeps (the GIL let go):
 _YIELD = 1e-4  # seconds of such a sleep: a training thread waiting for the GIL takes it meanwhile
 #: Rank 0's warning when a dump shows the recorder keeping more entries than the audit's (RecorderAudit.note_size)
 OVERSIZED_RING = (
-    "ddp_strategy: torch's Flight Recorder holds {entries} collectives in this process, more than the {most} "
+    "ddp_strategy: torch's Flight Recorder keeps {entries} collectives in this process, more than the {most} "
     "desync detection sizes it to: the process group was made before SafeDDPStrategy could size it "
     "(`init_process_group` called before the Trainer, or an earlier fit with another strategy), or "
     "TORCH_FR_BUFFER_SIZE is set. A dump of that many holds the GIL for milliseconds (torch's default size, 2000: "
@@ -135,7 +135,9 @@ class RecorderAudit:
         return self.oversized is None and time.monotonic() >= self._next
 
     def note_size(self, entries: int) -> None:
-        """A dump held ``entries``: more than the audit's :attr:`entries` ends its dumps during training, once.
+        """The recorder keeps ``entries`` (a dump held them, or its known size): over :attr:`entries`, dumps end.
+
+        Only the dumps during training end, once; the dumps at stage ends and when ranks stop go on.
 
         Torch's recorder takes its size from the environment when the process's first group is made. When that was
         not the strategy's group (``init_process_group`` called before the Trainer, an earlier fit with another

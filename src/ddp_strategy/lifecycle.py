@@ -26,7 +26,7 @@ from ._compat.lightning import (
     training_dataloaders,
     training_progress,
 )
-from ._compat.torch import collective_status, collective_trace_enabled
+from ._compat.torch import collective_status, collective_trace_enabled, recorder_size
 from .collective_calls import CollectiveCalls
 from .collective_record import TRACE_ENTRIES, CallLedger, first_published_difference
 from .control import ControlPlane
@@ -128,7 +128,13 @@ class RunLifecycle:
             self.desync = None
             watch = self.desync_detection and world_size > 1 and self.heartbeat_interval > 0
             if watch and collective_status():  # torch's Flight Recorder is on (see setup_distributed)
-                self.desync = DesyncMonitor(self.control, self.calls.notes, progress=progress, ledger=CallLedger())
+                self.desync = DesyncMonitor(
+                    self.control,
+                    self.calls.notes,
+                    progress=progress,
+                    ledger=CallLedger(),
+                    recorder_entries=recorder_size(),
+                )
             self.calls.watched_by(self.desync)
             if world_size > 1:  # before any DataLoader forks a worker (see fork_safety)
                 groups = [self.control.group] if self._default_group_pinned else [dist.group.WORLD, self.control.group]

@@ -34,6 +34,7 @@ __all__ = [
     "new_store_connection",
     "pin_python_thread_states",
     "rebuild_ddp_buckets",
+    "recorder_size",
     "reset_per_bucket_hook_state",
     "sync_ddp_buffers",
     "tensor_version",
@@ -289,6 +290,33 @@ def pin_python_thread_states(group: Any, threads: int, *, rounds: int = 16) -> i
 # torch's Flight Recorder: a ring buffer of every collective of every process group (gloo included since torch 2.8),
 # with its per-group sequence number, op, tensor sizes and the Python stack of the call.
 _TRACE_SIZE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_TORCH_DEFAULT_ENTRIES = 2000  # the recorder's size when the environment sets none (torch's FlightRecorder)
+# The size the recorder took in this process when its first process group was made inside `collective_trace_enabled`
+# (torch's recorder is one per process and sized once, so this mirrors process state); None: made elsewhere, or not yet.
+_sized_to: int | None = None
+
+
+def _size_in_environment() -> int | None:
+    for name in _TRACE_SIZE_ENV:
+        value = os.environ.get(name)
+        if value:
+            return int(value) if value.strip().isdigit() else 0
+    return None
+
+
+def recorder_size() -> int:
+    """The entries torch's Flight Recorder keeps in this process (``0``: off, or this torch has none).
+
+    The size given in :func:`collective_trace_enabled` when the process's first group was made in it; else the one
+    the environment sets now (``TORCH_FR_BUFFER_SIZE``: torch read it when that group was made, e.g. set in the
+    launch environment); else torch's default, 2000.
+    """
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        return 0
+    if _sized_to is not None:
+        return _sized_to
+    size = _size_in_environment()
+    return _TORCH_DEFAULT_ENTRIES if size is None else size
 
 
 def _dump_trace(before_parsing: Callable[[], object] | None = None, **options: bool) -> dict[str, Any]:
@@ -322,19 +350,23 @@ def collective_trace_enabled(entries: int) -> Iterator[int]:
         The size in effect (``0``: recording is off, or this torch has no Flight Recorder).
 
     """
+    global _sized_to
     if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
         yield 0
         return
-    for name in _TRACE_SIZE_ENV:
-        value = os.environ.get(name)
-        if value:
-            yield int(value) if value.strip().isdigit() else 0
-            return
-    os.environ[_TRACE_SIZE_ENV[0]] = str(entries)
+    first_group = not dist.is_initialized()
+    user_size = _size_in_environment()
+    set_here = user_size is None
+    size = entries if user_size is None else user_size
+    if set_here:
+        os.environ[_TRACE_SIZE_ENV[0]] = str(entries)
     try:
-        yield entries
+        yield size
     finally:
-        os.environ.pop(_TRACE_SIZE_ENV[0], None)
+        if set_here:
+            os.environ.pop(_TRACE_SIZE_ENV[0], None)
+        if first_group and dist.is_initialized() and _sized_to is None:
+            _sized_to = size
 
 
 def collective_status() -> dict[str, tuple[int, int]]:

@@ -2998,3 +2998,54 @@ def test_the_instruments_floor_section_is_the_result_files():
     assert f"cost {starts[0]:.0f}-{starts[-1]:.0f} us per step instead of about 80" in section
     fixed = result("strategy_cost-control-first-mlp-fixed-842e1db")["workloads"][0]["own_per_method_s"]
     assert f"the same control-first run then read {fixed['on_train_batch_start'] * 1e6:.1f} us" in section
+
+
+def test_the_per_value_ablations_and_the_mlps_beat_are_the_result_files():
+    """bench/README.md's ablations of a `sync_dist` value's path at 6ab8daa, and the MLP's heartbeat by part."""
+    section = _bench_section("#### What a `sync_dist` value's cost is made of, and what the MLP's beat costs")
+
+    def nets(name: str) -> tuple[float, float, float]:
+        data = result(f"strategy_cost-ablation-{name}-6ab8daa")
+        (mine,), (control,) = data["workloads"], data["control_workloads"]
+        assert mine["workload"] == "tiny" and mine["steps"] == 60 and control["strategy"] == "control"
+        keys = [mine["own_per_method_s"][k] - control["own_per_method_s"][k] for k in ("reduce", "self.log wrapper")]
+        value = mine["per_sync_dist_value_s"]["median"] - control["per_sync_dist_value_s"]["median"]
+        return keys[0] * 1e6, keys[1] * 1e6, value * 1e6
+
+    cells = [f"{v:.1f}" for v in nets("none")]
+    assert f"| unchanged | {' | '.join(cells)} |" in section
+    for label, name in (
+        ("B: no ledger, note or texts", "B"),
+        ("C: no uneven-evaluation check", "C"),
+        ("D: no wrapper", "D"),
+    ):
+        runs = [nets(f"{name}-{run}") for run in (1, 2)]
+        row = " | ".join(f"{runs[0][i]:.1f}, {runs[1][i]:.1f}" for i in range(3))
+        assert f"| {label} | {row} |" in section, row
+
+    floors = [
+        result(f"strategy_cost-ablation-{name}-6ab8daa")["control_workloads"][0]["per_sync_dist_value_s"]["median"]
+        * 1e6
+        for name in ("none", "B-1", "B-2", "C-1", "C-2", "D-1", "D-2")
+    ]
+    assert f"the control's {min(floors):.0f}-{max(floors):.0f} us per value for code that does nothing" in section
+
+    mlp = result("strategy_cost-heartbeat-parts-mlp-6ab8daa")["workloads"][0]
+    parts, calls = mlp["heartbeat_parts"]["cpu_per_step_s"], mlp["heartbeat_parts"]["calls_in_window"]
+    steps = mlp["steps"]
+
+    def per_call(part: str) -> float:
+        (key,) = [k for k in parts if part in k]
+        return parts[key] * steps / calls[key] * 1e6
+
+    beat = "training thread: the beat (`beat_if_due`)"
+    assert f"a beat costs about {round(per_call(beat), -1):.0f} us ({parts[beat] * 1e6:.1f} us per step over" in section
+    assert f"{per_call('the position'):.0f} us of it the position's publication" in section
+    assert f"{per_call('the desync monitor' + chr(39) + 's beat'):.0f} the desync monitor's part" in section
+    assert f"the look after it about {round(per_call('_look'), -1):.0f} us" in section
+    assert f"{per_call('multi_get'):.0f} of it one" in section
+    threads = [k for k in parts if k.startswith(("training thread: the beat", "heartbeat thread"))]
+    total = sum(parts[k] for k in threads) * 1e6
+    rate = 1 / mlp["step_cpu_median_s"]
+    assert f"together come to {total:.0f} us per step of {mlp['step_cpu_median_s'] * 1e3:.0f} ms" in section
+    assert f"({rate:.0f} steps a second); 50 us per step would leave {50 * rate:.0f} us" in section

@@ -12,7 +12,7 @@
 #
 # Settings (environment variables):
 #   COMPAT_ENVS     environments to run, in parallel (default "low high"; "mid" is Lightning 2.5)
-#   COMPAT_TIMEOUT  hard limit per environment in seconds, install and tests together (default 600)
+#   COMPAT_TIMEOUT  hard limit per environment in seconds, install and tests together (default 900; 478 s in a fresh-clone run here, 2026-12-03)
 #   COMPAT_DIR      where the environments and logs go (default build/compat)
 #   COMPAT_PYTEST   extra pytest arguments (default none), e.g. "-x" or "-k resume"
 #   PYTHON          the interpreter that creates the environments (default python3)
@@ -20,7 +20,7 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ENVS=${COMPAT_ENVS:-low high}
-TIMEOUT=${COMPAT_TIMEOUT:-600}
+TIMEOUT=${COMPAT_TIMEOUT:-900}
 OUT=${COMPAT_DIR:-$ROOT/build/compat}
 PYTHON=${PYTHON:-python3}
 TAIL_LINES=${COMPAT_TAIL:-150}

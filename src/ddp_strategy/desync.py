@@ -84,6 +84,7 @@ from .desync_verdict import (
 )
 from .errors import CollectiveMismatchError
 from .gather_shapes import check_gather_shapes
+from .store import LastingKey
 from .store_barrier import POSITION_KEY
 
 __all__ = [
@@ -208,8 +209,7 @@ class DesyncMonitor:
         # (position, ledger) at the last beat: the training thread moved on when either changed (None: no beat yet)
         self._mark: tuple[object, tuple[int, int]] | None = None
         self._skipped_at = 0.0  # when the last beat skipped the counters (the training thread had moved on)
-        self._peer_key = POSITION_KEY.format(rank=(control.rank + 1) % control.world_size)
-        self._peer_published = False  # whether the next rank's position was seen in the store (see `beat`)
+        self._peer_position = LastingKey(POSITION_KEY.format(rank=(control.rank + 1) % control.world_size))
         self._answered = 0  # the last inquiry this rank answered
         self._counted_stuck = False  # whether this rank counts itself in the store's count of stuck ranks
         self._inquired: set[str] = set()  # the stuck states this rank opened an inquiry for
@@ -314,10 +314,9 @@ class DesyncMonitor:
             self._counted_stuck = bool(stuck)
         # the next rank's position: absent before it first published (a `check` until then), deleted only once
         # every rank's heartbeat has stopped (ControlPlane.close)
-        self._peer_published = self._peer_published or (look and store.check([self._peer_key]))
-        peer = look and self._peer_published
+        peer = look and self._peer_position.is_set(store)
         audit = mine is not None and self.recorder.peer_published(store)  # the next rank's audited calls with them
-        keys = [_INQUIRY_KEY, _STUCK_KEY] + [self._peer_key] * peer + [self.recorder.peer_key] * audit
+        keys = [_INQUIRY_KEY, _STUCK_KEY] + [self._peer_position.key] * peer + [self.recorder.peer_key] * audit
         values = control.heartbeat.read_with_failures(store, keys)  # one round trip, the failure counter with them
         inquiry, stuck_ranks = int(values[0]), int(values[1])
         if inquiry > self._answered:

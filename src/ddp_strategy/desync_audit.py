@@ -52,7 +52,7 @@ from .collective_record import (
     calls_from_trace,
     first_published_difference,
 )
-from .store import Store
+from .store import LastingKey, Store
 
 __all__ = ["AUDIT_CPU_SHARE", "OVERSIZED_RING", "RecorderAudit", "let_go_of_the_gil"]
 
@@ -113,7 +113,7 @@ class RecorderAudit:
         self.key = _AUDIT_KEY.format(rank=rank)
         #: the next rank's key, which this rank compares with
         self.peer_key = _AUDIT_KEY.format(rank=(rank + 1) % world_size)
-        self._peer_seen = False  # whether the next rank's key exists (it stays until the run's close)
+        self._peer = LastingKey(self.peer_key)
         self._status: dict[str, tuple[int, int]] = {}  # the recorder's counters at the last dump
         self._unpublished = False  # a dump added calls since this rank last published its digests
         self._pickled: bytes | None = None  # a training-thread dump, not unpickled yet
@@ -337,8 +337,7 @@ class RecorderAudit:
 
     def peer_published(self, store: Store) -> bool:
         """Whether the next rank has published its digests (a ``check`` until it has; then none: the key stays)."""
-        self._peer_seen = self._peer_seen or store.check([self.peer_key])
-        return self._peer_seen
+        return self._peer.is_set(store)
 
     @staticmethod
     def compare_with_peer(mine: dict[str, list[Any]], peer: bytes) -> tuple[str, int] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Protocol
 
-__all__ = ["Store", "get_if_set"]
+__all__ = ["LastingKey", "Store", "get_if_set"]
 
 
 class Store(Protocol):
@@ -60,3 +60,23 @@ def get_if_set(store: Store, key: str) -> bytes | None:
     """
     value = store.compare_set(key, _ABSENT, _ABSENT)
     return None if value == _ABSENT.encode() else value
+
+
+class LastingKey:
+    """A key that stays once set (the next rank's position or audit): a ``check`` per look until it is seen.
+
+    From then on it is taken as set without a round trip: such keys are deleted only at the run's close.
+
+    Args:
+        key: the store key.
+
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self._seen = False
+
+    def is_set(self, store: Store) -> bool:
+        """Whether :attr:`key` is set: a ``check`` until it first was, then none."""
+        self._seen = self._seen or store.check([self.key])
+        return self._seen

@@ -441,7 +441,7 @@ def test_a_blocked_rank_other_than_0_exits_after_rank_0_stopped_and_at_the_lates
     assert gone._rank0_stopped_at is not None
 
     late = DesyncMonitor(control, CallNotes())  # type: ignore[arg-type]
-    assert desync_module._BREAK_LATEST == 9.0
+    assert desync_module._BREAK_LATEST == 9.0 and desync_module._AFTER_RANK0 == 2.0  # docs/diagnostics.md
     assert late._may_exit(FakeControl().store, now - desync_module._BREAK_LATEST)  # rank 0 never said it stops
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 from datetime import timedelta
@@ -12,6 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import ddp_strategy
 from ddp_strategy import DEFAULT_BARRIER_TIMEOUT, SafeDDPStrategy
+from ddp_strategy.options import option_text
 
 
 def test_public_names_and_error_hierarchy():
@@ -90,6 +92,28 @@ def test_agreed_options_are_those_not_at_their_defaults_as_text_the_same_on_ever
     }
     usr1 = SafeDDPStrategy(preemption_signals=["SIGTERM", "USR1"], exact_evaluation=False)
     assert usr1.agreed_options == {"preemption_signals": "(SIGTERM, SIGUSR1)", "exact_evaluation": "False"}
+
+
+def scaled_allreduce_hook(state: object, bucket: object, *, scale: float) -> object:
+    """A user's DDP communication hook with an argument, bound with ``functools.partial``."""
+    raise NotImplementedError  # never called: only its text is compared
+
+
+def test_a_comm_hook_with_bound_arguments_is_compared_by_them_not_by_its_class():
+    # a rank that reads the hook's argument from its environment (scale=0.5 on one, 1.0 on the other) disagrees;
+    # before, every `functools.partial` was "<functools.partial object>" and the ranks agreed
+    def agreed(*args: object, **kwargs: object) -> str:
+        hook = functools.partial(scaled_allreduce_hook, *args, **kwargs)
+        return SafeDDPStrategy(ddp_comm_hook=hook).agreed_options["ddp_comm_hook"]
+
+    hook = f"{__name__}.scaled_allreduce_hook"
+    assert agreed(scale=0.5) == f"functools.partial({hook}, scale=0.5)"
+    assert agreed(scale=0.5) != agreed(scale=1.0)
+    assert agreed(scale=0.5) == agreed(scale=0.5)  # two partial objects, one text
+    # keyword order does not matter; an argument without a repr of its own is named by its class, not its address
+    assert agreed(object(), scale=1, b=2) == agreed(object(), b=2, scale=1)
+    assert agreed(object()) == f"functools.partial({hook}, <builtins.object object>)"
+    assert option_text([1, {"a": (2,)}]) == "[1, {'a': (2,)}]"
 
 
 def test_the_line_that_made_the_strategy_is_kept():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import signal
 from collections.abc import Mapping, Sequence
@@ -261,11 +262,24 @@ def options_to_agree(
 
 
 def option_text(value: object) -> str:
-    """An option's value as text that is the same on every rank: no object address, signals by name."""
+    """An option's value as text that is the same on every rank: no object address, signals by name.
+
+    Functions and classes are named by module and qualified name; a ``functools.partial`` (a communication hook
+    with bound arguments) by its function and its arguments' texts; tuples, lists and dicts element by element; an
+    object whose repr holds its address by its class.
+    """
     if isinstance(value, signal.Signals):
         return value.name
     if isinstance(value, tuple):
         return "(" + ", ".join(option_text(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(option_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{option_text(k)}: {option_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, functools.partial):  # a hook with bound arguments (its repr holds addresses)
+        bound = [option_text(value.func), *(option_text(v) for v in value.args)]
+        bound += [f"{name}={option_text(v)}" for name, v in sorted(value.keywords.items())]
+        return f"functools.partial({', '.join(bound)})"
     if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value) or inspect.isclass(value):
         return f"{value.__module__}.{value.__qualname__}"
     text = repr(value)

@@ -3049,3 +3049,125 @@ def test_the_per_value_ablations_and_the_mlps_beat_are_the_result_files():
     rate = 1 / mlp["step_cpu_median_s"]
     assert f"together come to {total:.0f} us per step of {mlp['step_cpu_median_s'] * 1e3:.0f} ms" in section
     assert f"({rate:.0f} steps a second); 50 us per step would leave {50 * rate:.0f} us" in section
+
+
+RERUN_HEADING = "#### Points 2 and 3 re-run on the current code (2026-12-03, session 44)"
+
+
+def test_points_2_and_3_rerun_on_the_current_code_are_the_result_files():
+    """bench/README.md's re-run of points 2 and 3 after session 43's changes: the tiny-step and step_pauses runs."""
+    section = _bench_section(RERUN_HEADING).split("####")[0]
+    run = result("tiny_step-95e12eb")
+    for mode, label in (("nolog", "without logging"), ("sync_dist", "with the `sync_dist` log")):
+        row = _ratio_row(run, mode, "safe / stock")
+        wall, paired = row["step_mean_s"]["of_medians"], row["step_mean_s"]["paired"]
+        assert f"**{wall:.3f}** {label} (paired {paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}]" in (
+            section
+        )
+        assert paired["max"] <= 1.02  # "met in both modes, in every round"
+    nolog, synced = (_ratio_row(run, mode, "safe / stock") for mode in ("nolog", "sync_dist"))
+    low, high = nolog["step_mean_s"]["paired_interval"]
+    assert f"its 90% interval [{low:.3f}, {high:.3f}]; by the training thread's CPU " in section
+    assert f"CPU {nolog['cpu_step_s']['of_medians']:.3f}) and" in section
+    assert f"CPU {synced['cpu_step_s']['of_medians']:.3f}): met" in section
+
+    fits = result("step_pauses-58240dd")["fits"]
+    safe = sorted((f for f in fits if f["variant"] == "safe"), key=lambda f: f["round"])
+    stock = sorted((f for f in fits if f["variant"] == "stock"), key=lambda f: f["round"])
+    assert len(safe) == 2 and all(f["background_holds"]["over_1ms"] == 0 for f in safe)
+    stretches = " and ".join(_ms(f["background_holds"]["longest"], "cpu_s") for f in safe)
+    assert f"no background stretch over 1 ms of CPU (the longest {stretches} ms, the heartbeat thread)" in section
+    first = " and ".join(f"{f['dumps']['first']['cpu_s'] * 1e3:.2f}" for f in safe)
+    assert not any(f["dumps"]["first"]["during_training"] for f in safe)
+    assert f"the first recorder dump with stacks before training ({first} ms)" in section
+    gaps = {k: [_ms(f["hook_gaps"], k) for f in (*safe, *stock)] for k in ("p999_s", "max_s")}
+    assert all(s["hook_gaps"]["p999_s"] < t["hook_gaps"]["p999_s"] for s, t in zip(safe, stock, strict=True))
+    p, m = gaps["p999_s"], gaps["max_s"]
+    assert f"(99.9th percentile {p[0]} and {p[1]} ms against {p[2]} and {p[3]}; the longest {m[0]}" in section
+    assert f"and {m[1]} against {m[2]} and {m[3]})" in section
+    over = [f["dumps"]["training_thread_over_1ms_cpu"] for f in safe]
+    assert over[0] == [] and len(over[1]) == 1 and over[1][0]["preempted"] == 0 and over[1][0]["minor_faults"] == 0
+    assert f"in round 2 one torch dump of {_ms(over[1][0], 'cpu_s')} ms (no page fault, not preempted)" in section
+    step_dump, beat = (max(f[k]["MainThread"]["longest_cpu_s"] for f in safe) for k in ("step_dumps", "beats"))
+    assert step_dump < over[1][0]["cpu_s"]  # "by elimination" an epoch start's dump
+    assert f"took at most {step_dump * 1e3:.3f} ms whole, beats at most {beat * 1e3:.3f})" in section
+
+
+POINT_1_NOW_HEADING = "#### Point 1 on the current code (2026-12-03, session 44)"
+POINT_1_NOW_RUNS = {
+    "tiny": [f"strategy_cost-control-tiny-{run}-58240dd" for run in (1, 2, 3)],
+    "mlp": [f"strategy_cost-control-mlp-{run}-58240dd" for run in (1, 2, 3, 4, 5)],
+    "old": [f"strategy_cost-control-mlp-code-842e1db-{run}" for run in (1, 2)],
+}
+
+
+def test_point_1_on_the_current_code_is_the_result_files():
+    """bench/README.md's point-1 table at 58240dd (and 842e1db's code beside it), and its bullets' ranges."""
+    section = _bench_section(POINT_1_NOW_HEADING).split("####")[0]
+
+    def logged(row: dict[str, Any]) -> float:
+        return (row["own_per_method_s"]["reduce"] + row["own_per_method_s"]["self.log wrapper"]) * 1e6
+
+    nets: dict[str, list[float]] = {}
+    values: dict[str, list[float]] = {}
+    floors: dict[str, list[float]] = {}
+    beats: dict[str, list[float]] = {}
+    for group, names in POINT_1_NOW_RUNS.items():
+        for run, name in enumerate(names, start=1):
+            data = result(name)
+            (mine,), (control,) = data["workloads"], data["control_workloads"]
+            assert mine["strategy"] == "safe" and control["strategy"] == "control"
+            assert mine["steps"] == (600 if group == "tiny" else 120)
+            own, floor = mine["own_cpu_per_step_s"] * 1e6, control["own_cpu_per_step_s"] * 1e6
+            net = own - logged(mine) - (floor - logged(control))
+            value, value_floor = (r["per_sync_dist_value_s"]["median"] * 1e6 for r in (mine, control))
+            heartbeat = mine["threads_cpu_per_step_s"]["ddp_strategy-heartbeat-rank0"] * 1e6
+            code = "842e1db" if group == "old" else "58240dd"
+            row = (
+                f"| {mine['workload']} | {code}, {run} | {mine['step_cpu_median_s'] * 1e3:.1f} | {own:.0f} | "
+                f"{floor:.0f} | {own - floor:.0f} | {net:.0f} | {heartbeat:.1f} | {value:.1f} | {value_floor:.1f} | "
+                f"{value - value_floor:.1f} |"
+            )
+            assert row in section, row
+            nets.setdefault(group, []).append(round(net))
+            values.setdefault(group, []).append(round(value - value_floor, 1))
+            floors.setdefault(group, []).append(round(value_floor, 1))
+            beats.setdefault(group, []).append(round(heartbeat))
+    tiny, mlp = (sorted(nets[g]) for g in ("tiny", "mlp"))
+    assert tiny[-1] <= 50  # "met"
+    assert f"**Per step, the tiny model: {tiny[0]}-{tiny[-1]} us less the control without its value**" in section
+    assert f"**Per step, the MLP: {mlp[0]}-{mlp[-1]} us** (not met)" in section
+    alternating = [nets["mlp"][3], nets["mlp"][4]]  # runs 4 and 5, each right after a run of 842e1db's code
+    assert f"read {nets['old'][0]} and {nets['old'][1]}, against {alternating[0]} and {alternating[1]}" in section
+    assert f"moves from {min(beats['mlp'])} to {max(beats['mlp'])} us per step" in section
+    value_text = (
+        f"{min(values['tiny']):.1f}-{max(values['tiny']):.1f} us on the tiny model and "
+        f"{min(values['mlp']):.1f}-{max(values['mlp']):.1f} on the MLP, less the control"
+    )
+    assert value_text in section and min(values["tiny"]) > 10
+    floor_text = (
+        f"{min(floors['tiny']):.1f}-{max(floors['tiny']):.1f} and {min(floors['mlp']):.1f}-{max(floors['mlp']):.1f}"
+    )
+    assert f"where the control itself reads {floor_text}" in section
+
+
+def test_the_issue_30_summary_gives_the_figures_of_the_sections_it_names():
+    """bench/README.md's table of where each point of issue 30 stands quotes the sections that decide them."""
+    readme = page("bench/README.md")
+    summary = readme.split("## Issue 30 (the cost per step): where each point stands")[1].split(" ## ")[0]
+    point_1 = _bench_section(POINT_1_NOW_HEADING).split("####")[0]
+    reruns = _bench_section(RERUN_HEADING).split("####")[0]
+    for text, section in (
+        ("41-47 us less the", point_1),
+        ("206-294 us", point_1),
+        ("13.4-20.2 us on the tiny model and 30.0-40.3 on the MLP", point_1),
+        ("one torch dump of 1.034 ms", reruns),
+        ("**0.848** without logging", reruns),
+        ("**0.782** with the `sync_dist` log", reruns),
+        ("[0.794, 0.952]", reruns),
+    ):
+        assert text in section, text
+    for text in ("41-47 us", "206-294 us", "13.4-20.2 us", "30.0-40.3", "1.034 ms", "0.848 and 0.782", "0.952"):
+        assert text in summary, text
+    for heading in (POINT_1_NOW_HEADING, RERUN_HEADING):
+        assert heading.removeprefix("#### ") in summary

@@ -157,7 +157,11 @@ def test_torchs_dump_and_its_unpickling_apart_give_what_the_dump_gives_whole():
     shown = json.loads(run.output.strip().splitlines()[-1])
     assert shown["type"] == "bytes" and shown["empty"] == [[], {}]
     for dump in ("halves", "whole"):  # two dumps: torch's completed count may move between them (see above)
-        assert list(shown[dump]["status"]) == ["0"] and completed_as_torch_reports(shown[dump]["status"]["0"], 5)
+        # what this test is about is the entries; of the status only the enqueued count is exact here: the fresh-clone
+        # CI of 3ee3bde (both compat environments at once) read [5, 2] after the program's wait of up to 10 s
+        assert list(shown[dump]["status"]) == ["0"], shown[dump]["status"]
+        enqueued, completed = shown[dump]["status"]["0"]
+        assert enqueued == 5 and 0 <= completed <= 5, shown[dump]["status"]
         del shown[dump]["status"]
     assert shown["halves"] == shown["whole"]
     assert shown["halves"]["seqs"] == [1, 2, 3, 4, 5]
